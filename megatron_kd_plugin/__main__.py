@@ -1,0 +1,32 @@
+"""``python -m megatron_kd_plugin COMMAND [ARGS...]``.
+
+Commands:
+  demo      the end-to-end job on an embedded default: train a teacher, cache its top-K, distil a student
+  inspect   print (and optionally plot) what a teacher top-K cache store holds
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": "megatron_kd_plugin.demo.pipeline",
+    "inspect": "megatron_kd_plugin.cache.inspect",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[command]).main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
