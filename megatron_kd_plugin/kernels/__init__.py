@@ -1,0 +1,100 @@
+"""Per-chunk operations of the fused loss, with a Triton fast path on CUDA and a PyTorch path everywhere.
+
+    from megatron_kd_plugin.kernels import chunk_row_stats, chunk_logit_grad_
+
+    row_max, row_sumexp, gathered = chunk_row_stats(logits, ids, scale)             # [c], [c], [c, J] fp32
+    chunk_logit_grad_(logits, lse, dense_coef, ids, sparse_coef, scale)              # logits <- dL/dlogits
+
+The math is in ``megatron_kd_plugin.kernels.reference`` (the PyTorch path and the kernels' baseline); the Triton
+kernels are in ``megatron_kd_plugin.kernels.triton_kernels``. ``kernels="auto"`` picks Triton when it can run
+(triton importable and the logits on CUDA, or CPU logits with ``TRITON_INTERPRET=1``), else PyTorch;
+``"triton"`` insists on Triton, ``"torch"`` on PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from megatron_kd_plugin.kernels import reference
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def interpreting() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read at each launch)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether the ``triton`` package is installed (it ships with CUDA builds of torch)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(logits: torch.Tensor, kernels: str = "auto") -> bool:
+    """Whether ``kernels`` selects the Triton path for these logits; ValueError if it is unknown or impossible."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
+    if kernels == "torch":
+        return False
+    runnable = triton_importable() and (logits.is_cuda or (interpreting() and logits.device.type == "cpu"))
+    if kernels == "triton" and not runnable:
+        raise ValueError(f"kernels='triton' cannot run on {logits.device} logits (triton importable: "
+                         f"{triton_importable()}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}): "
+                         "use a CUDA device, TRITON_INTERPRET=1 on CPU, or kernels='auto'/'torch'")
+    return runnable
+
+
+def _check(logits: torch.Tensor, ids: torch.Tensor) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a 2-D float tensor [c, Vp], got {tuple(logits.shape)} {logits.dtype}")
+    if logits.stride(-1) != 1:
+        raise ValueError(f"logits: expected a contiguous last dimension, got strides {logits.stride()}")
+    if ids.dim() != 2 or ids.shape[0] != logits.shape[0] or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids: expected int32/int64 [c={logits.shape[0]}, J], got {tuple(ids.shape)} {ids.dtype}")
+
+
+def _per_token(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(value.shape)}")
+    return value.float().contiguous()
+
+
+def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor, scale: float, *,
+                    kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_max [c], row_sumexp [c], gathered [c, J]) of u = scale * logits, fp32 (math: ``reference``).
+
+    Shape: logits [c, Vp] (this rank's vocab shard, any float dtype), ids [c, J] local columns, -1 = not here.
+    """
+    _check(logits, ids)
+    if use_triton(logits, kernels):
+        from megatron_kd_plugin.kernels import triton_kernels
+        return triton_kernels.chunk_row_stats(logits, ids.contiguous(), scale)
+    return reference.chunk_row_stats(logits, ids, scale)
+
+
+def chunk_logit_grad_(logits: torch.Tensor, lse: torch.Tensor, dense_coef: torch.Tensor, ids: torch.Tensor,
+                      sparse_coef: torch.Tensor, scale: float, *, ce_lse: torch.Tensor | None = None,
+                      ce_coef: torch.Tensor | None = None, kernels: str = "auto") -> torch.Tensor:
+    """Overwrite ``logits`` in place with dL/dlogits in its own dtype and return it (math: ``reference``).
+
+    Shape: logits [c, Vp], lse / dense_coef / ce_lse / ce_coef [c], ids / sparse_coef [c, J].
+    """
+    _check(logits, ids)
+    if (ce_lse is None) != (ce_coef is None):
+        raise ValueError("ce_lse and ce_coef go together: pass both or neither")
+    c, J = ids.shape
+    lse, dense_coef = _per_token("lse", lse, (c,)), _per_token("dense_coef", dense_coef, (c,))
+    sparse_coef = _per_token("sparse_coef", sparse_coef, (c, J))
+    if ce_coef is not None:
+        ce_lse, ce_coef = _per_token("ce_lse", ce_lse, (c,)), _per_token("ce_coef", ce_coef, (c,))
+    if use_triton(logits, kernels):
+        from megatron_kd_plugin.kernels import triton_kernels
+        return triton_kernels.chunk_logit_grad_(logits, lse, dense_coef, ids.contiguous(), sparse_coef, scale,
+                                                ce_lse=ce_lse, ce_coef=ce_coef)
+    return reference.chunk_logit_grad_(logits, lse, dense_coef, ids, sparse_coef, scale, ce_lse=ce_lse,
+                                       ce_coef=ce_coef)
