@@ -1,0 +1,102 @@
+"""The loss's options (one frozen dataclass, validated once) and its result tuple."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+TAILS = ("ghost", "none", "renorm")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+IMPLS = ("fused", "forward_chunked", "dense")
+MODES = ("recompute", "grad_in_forward")
+
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KDLossOptions:
+    """How the top-K distillation loss is computed. The math is in ``megatron_kd_plugin.loss.token_math``."""
+
+    tail: str = "ghost"
+    """Treatment of the teacher's mass outside its top-K: ``ghost`` (one extra bucket holding 1 - m for the teacher
+    and 1 - s for the student), ``none`` (sparse KL over the K ids against the full-vocab student softmax) or
+    ``renorm`` (both distributions renormalised over the K ids; needs only the K rows W[I])."""
+
+    divergence: str = "forward_kl"
+    """``forward_kl`` KL(P || Q), ``reverse_kl`` KL(Q || P) or ``jsd`` (generalised Jensen-Shannon, ``jsd_beta``),
+    on the tail mode's buckets. ``tail="none"`` supports only ``forward_kl``."""
+
+    jsd_beta: float = 0.5
+    """beta of JSD_beta(P || Q) = beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q; in (0, 1)."""
+
+    temperature: float = 1.0
+    """tau > 0: student logits are divided by tau, teacher log-probs tempered as l / tau and renormalised within the
+    tail mode's buckets; the KD term is scaled by tau^2."""
+
+    alpha: float = 1.0
+    """Mix: loss = alpha * tau^2 * KD + (1 - alpha) * CE(labels) at tau = 1; in [0, 1]. alpha < 1 needs labels."""
+
+    impl: str = "fused"
+    """``fused`` (the product: X and W in, no [T, V/tp] logits), ``forward_chunked`` (full logits, sparse teacher,
+    chunked loss) or ``dense`` (teacher expanded to a [T, V] grid, autograd; a reference)."""
+
+    mode: str = "recompute"
+    """Fused only: ``recompute`` (backward recomputes each logits chunk) or ``grad_in_forward`` (the gradients are
+    produced during forward and only scaled by the incoming gradient in backward: no recompute, more memory
+    held between forward and backward: dX [T, H] and dW [V/tp, H])."""
+
+    chunk_bytes: int | None = None
+    """Byte budget of the per-chunk working buffers ([c, V/tp] fp32 logits/gradient, or [c, K, H] rows in the renorm
+    fast path); the chunk size c in tokens is derived from it. None: ``DEFAULT_CHUNK_BYTES`` (128 MiB)."""
+
+    validate: bool = True
+    """Check the teacher's values (ids in range, finite log-probs <= 0, top-K mass <= 1 + mass_tolerance, labels
+    in range) once up front; costs one host sync. Shapes and dtypes are always checked."""
+
+    mass_tolerance: float = 1e-2
+    """How far the teacher's top-K mass may exceed 1 (rounding of fp16 log-probs) before it is an error."""
+
+    def __post_init__(self):
+        for name, allowed in (("tail", TAILS), ("divergence", DIVERGENCES), ("impl", IMPLS), ("mode", MODES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+        if self.tail == "none" and self.divergence != "forward_kl":
+            raise ValueError(f"tail='none' supports only divergence='forward_kl', got divergence={self.divergence!r}: "
+                             "the teacher's mass outside its top-K is unknown, so the student's side of "
+                             "reverse KL / JSD cannot be formed; use tail='ghost' or 'renorm'")
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise ValueError(f"jsd_beta={self.jsd_beta!r}: expected 0 < jsd_beta < 1")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature={self.temperature!r}: expected > 0")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha!r}: expected 0 <= alpha <= 1")
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes={self.chunk_bytes!r}: expected a positive int or None")
+        if not self.mass_tolerance >= 0.0:
+            raise ValueError(f"mass_tolerance={self.mass_tolerance!r}: expected >= 0")
+
+    @property
+    def budget_bytes(self) -> int:
+        """The chunk byte budget in effect."""
+        return DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+
+class KDLossResult(NamedTuple):
+    """What ``topk_kd_loss`` returns; sums run over tokens with a non-zero loss_mask, weighted by it."""
+
+    loss_sum: torch.Tensor
+    """Differentiable fp32 scalar: sum of alpha * tau^2 * KD + (1 - alpha) * CE."""
+    num_tokens: torch.Tensor
+    """int64 scalar: number of tokens with a non-zero loss_mask."""
+    kd_sum: torch.Tensor
+    """Detached: sum of the KD divergence (without alpha * tau^2)."""
+    ce_sum: torch.Tensor
+    """Detached: sum of the hard-label cross entropy at tau = 1 (0 when labels is None)."""
+    student_topk_mass_sum: torch.Tensor
+    """Detached: sum over tokens of s = sum_k q(I_k) under the student at temperature tau (NaN on the renorm
+    K-rows fast path, which never forms the full-vocab normaliser)."""
+    teacher_topk_mass_sum: torch.Tensor
+    """Detached: sum over tokens of the teacher's (untempered) top-K mass m = sum_k exp(l_k)."""

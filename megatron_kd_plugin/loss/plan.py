@@ -1,0 +1,80 @@
+"""What the autograd Functions receive: one frozen plan (options + TP shard + chunk size) and the per-token batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from .chunk_ops import shard_local
+from .options import KDLossOptions
+from .teacher import TeacherBuckets, teacher_buckets
+from .tp import VocabShard
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossPlan:
+    """Everything about a call that is not a tensor."""
+
+    options: KDLossOptions
+    """The loss options."""
+    shard: VocabShard
+    """This rank's vocab shard and TP group."""
+    dtype: torch.dtype
+    """Accumulation dtype: float64 for float64 inputs, else float32."""
+    with_labels: bool
+    """Whether the CE term is formed."""
+
+    def chunk_tokens(self, bytes_per_token: int) -> int:
+        """Tokens per chunk so that the chunk's working buffers fit the byte budget (at least 1)."""
+        return max(1, self.options.budget_bytes // max(1, bytes_per_token))
+
+    @property
+    def vocab_buffers(self) -> int:
+        """[c, V/tp] buffers a vocab chunk needs: E, plus E1 for CE at tau != 1."""
+        return 2 if self.with_labels and self.options.temperature != 1.0 else 1
+
+
+class KDBatch(NamedTuple):
+    """Per-token inputs, flattened to T = s * b tokens in [s, b] order."""
+
+    teacher: TeacherBuckets      # [T, K]
+    local_ids: torch.Tensor      # [T, K] int64 shard-local ids (clamped)
+    local_valid: torch.Tensor    # [T, K] bool: a bucket whose id lies in this shard
+    weight: torch.Tensor         # [T] loss_mask in the accumulation dtype
+    local_label: torch.Tensor | None   # [T] int64 shard-local label (clamped)
+    label_local: torch.Tensor | None   # [T] bool: the label lies in this shard
+
+
+def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                  loss_mask: torch.Tensor, labels: torch.Tensor | None) -> KDBatch:
+    """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab)."""
+    k = teacher_ids.shape[-1]
+    options, shard = plan.options, plan.shard
+    teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(plan.dtype),
+                              tail=options.tail, temperature=options.temperature, vocab_size=shard.vocab_size)
+    local_ids, local_valid = shard_local(teacher.ids, teacher.valid, shard.vocab_start, shard.vocab_end)
+    local_label = label_local = None
+    if labels is not None:
+        flat = labels.reshape(-1).long()
+        local_label, label_local = shard_local(flat, torch.ones_like(flat, dtype=torch.bool), shard.vocab_start,
+                                               shard.vocab_end)
+    return KDBatch(teacher, local_ids, local_valid, loss_mask.reshape(-1).to(plan.dtype), local_label, label_local)
+
+
+def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Scale (grad_in_forward) in place and cast to the input's dtype."""
+    if grad is None:
+        return None
+    if scale is not None:
+        grad.mul_(scale.to(grad.dtype))
+    return grad.to(dtype)
+
+
+def loss_totals(plan: LossPlan, totals: torch.Tensor):
+    """[kd_sum, ce_sum, mass_sum] -> (loss_sum, kd_sum, ce_sum, mass_sum) as fp32 scalars (float64 for float64)."""
+    options = plan.options
+    kd_sum, ce_sum, mass_sum = totals.unbind()
+    loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
+    return loss_sum, kd_sum.clone(), ce_sum.clone(), mass_sum.clone()

@@ -1,0 +1,124 @@
+"""Per-token loss and logit-gradient coefficients from a few all-reduced per-token numbers. The math, once.
+
+Shapes: T tokens (a chunk of c of them here), K teacher slots, V vocab (all ranks, padded rows included),
+V/tp this rank's shard. r = X W^T are the raw logits [T, V], z = r / tau, q = softmax(z) over the full vocab.
+
+Teacher (``teacher.py``): slot k of a token holds id I_k and log-prob l_k; repeated ids are merged, -inf slots are
+padding. The support S = the valid ids, m = sum_k exp(l_k). Buckets and their tempered teacher probabilities:
+    ghost   K + 1 buckets: the K ids and the tail (ids outside S).  P = softmax([l, log(1 - m)] / tau)
+            (the tail bucket is absent when S covers the whole vocab, K = V)
+    none    K buckets, not normalised:                              P_k = m * softmax_K(l / tau)_k
+    renorm  K buckets:                                              P = softmax_K(l / tau)
+Student, with L = logsumexp(z) over V and g_k = z_{I_k}:
+    ghost   log Q_k = g_k - L,   log Q_tail = log sum_{j not in S} exp(z_j) - L   (computed directly, no 1 - s)
+    none    log Q_k = g_k - L
+    renorm  log Q_k = g_k - logsumexp_k(g)                            (no L: only the K rows W[I] are needed)
+KD per token f = divergence(P, Q) on the buckets (``divergence.py``), a_b = df/dlog Q_b, A = sum_b a_b.
+Gradient w.r.t. z, with q_j = exp(z_j - L) = E_j / Ssum where E_j = exp(z_j - M), M = max_j z_j,
+Ssum = sum_j E_j, and E_tail = sum_{j not in S} E_j:
+    ghost   dz_j = (a_tail / E_tail - A / Ssum) E_j  for j not in S;   dz_{I_k} = a_k - A q_{I_k}
+    none    dz_j = (-A / Ssum) E_j                   for j not in S;   dz_{I_k} = a_k - A q_{I_k}
+    renorm  dz_j = 0                                 for j not in S;   dz_{I_k} = a_k - A Q_k
+So a logits chunk's gradient is one per-token coefficient times E off the support plus K scattered values.
+Loss and gradient w.r.t. r, with w the token's loss_mask weight and CE at tau = 1 (L1 = logsumexp(r)):
+    loss = w (alpha tau^2 f + (1 - alpha) (L1 - r_y))
+    dr   = w (alpha tau dz + (1 - alpha) (softmax(r) - onehot(y)))
+At tau = 1 softmax(r) = q, so the CE part folds into the same coefficients; otherwise it needs E1 = exp(r - tau M)
+and its sum S1 (one more exp pass over the chunk). Under TP every rank holds its shard of E: only M (MAX), and
+E_tail, g_k, r_y and S1 (SUM, each entry owned by one rank) are all-reduced; every rank then has every per-token
+number, and its own E-chunk gives its own dr-chunk.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .divergence import bucket_divergence, bucket_divergence_grad
+from .options import KDLossOptions
+from .teacher import TeacherBuckets
+
+
+class TokenPartials(NamedTuple):
+    """All-reduced per-token numbers of a chunk. Fields the path does not form are None."""
+
+    support_logits: torch.Tensor         # [c, K] g_k = z_{I_k} (0 at invalid slots)
+    row_max: torch.Tensor | None = None  # [c] M = max_j z_j
+    tail_sum: torch.Tensor | None = None  # [c] E_tail = sum_{j not in S} exp(z_j - M)
+    label_logit: torch.Tensor | None = None  # [c] r_y (tau = 1)
+    ce_sum_exp: torch.Tensor | None = None  # [c] S1 = sum_j exp(r_j - tau M); None when tau = 1
+
+
+class TokenTerms(NamedTuple):
+    """Per-token values (unweighted) and d loss_sum / d r coefficients (weighted) of a chunk."""
+
+    kd: torch.Tensor             # [c] f (0 where the weight is 0)
+    ce: torch.Tensor             # [c] L1 - r_y (0 without labels or where the weight is 0)
+    student_mass: torch.Tensor   # [c] s = sum_k q_{I_k} (NaN without the full-vocab normaliser)
+    dense_coef: torch.Tensor     # [c] coefficient of E off the support
+    support_grad: torch.Tensor   # [c, K] added at the support ids (0 at invalid slots)
+    label_grad: torch.Tensor     # [c] added at the label id
+    ce_dense_coef: torch.Tensor | None  # [c] coefficient of E1 over the whole vocab (tau != 1 with labels)
+
+
+def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.Tensor,
+                options: KDLossOptions) -> TokenTerms:
+    """Loss values and gradient coefficients of a chunk of c tokens; ``weight`` [c] is the loss_mask."""
+    tau, alpha = options.temperature, options.alpha
+    g, valid = partials.support_logits, teacher.valid                        # [c, K]
+    zero = g.new_zeros(())
+    counts = weight != 0
+    full_vocab = partials.row_max is not None
+    if full_vocab:
+        support_exp = torch.where(valid, (g - partials.row_max[:, None]).exp(), zero)   # E at the support
+        sum_exp = partials.tail_sum + support_exp.sum(-1)                    # [c] Ssum
+        q_support = support_exp / sum_exp[:, None]                           # [c, K] q_{I_k}
+        student_mass = q_support.sum(-1)
+    else:
+        student_mass = torch.full_like(weight, torch.nan)
+
+    if options.tail == "renorm":
+        log_q = torch.where(valid, g, -torch.inf)
+        log_q = torch.where(valid.any(-1, keepdim=True), log_q, zero).log_softmax(-1)   # [c, K] log Q_k
+        log_p, present = teacher.log_p, valid
+        counts = counts & valid.any(-1)
+    else:
+        log_q = g - (partials.row_max + sum_exp.log())[:, None]              # g_k - L
+        log_p, present = teacher.log_p, valid
+        if options.tail == "ghost":
+            log_q_tail = partials.tail_sum.log() - sum_exp.log()
+            log_p = torch.cat([log_p, teacher.log_p_tail[:, None]], -1)       # [c, K + 1]
+            log_q = torch.cat([log_q, log_q_tail[:, None]], -1)
+            present = torch.cat([present, teacher.tail_present[:, None]], -1)
+    f = bucket_divergence(log_p, log_q, present, options.divergence, options.jsd_beta)
+    a = bucket_divergence_grad(log_p, log_q, present, options.divergence, options.jsd_beta)
+    a_total = a.sum(-1)                                                      # [c] A
+    k = valid.shape[-1]
+    if options.tail == "renorm":
+        dense = torch.zeros_like(weight)
+        support = a - a_total[:, None] * log_q.exp()
+    else:
+        dense = -a_total / sum_exp
+        support = a[:, :k] - a_total[:, None] * q_support
+        if options.tail == "ghost":
+            has_tail = teacher.tail_present & (partials.tail_sum > 0)
+            dense = dense + torch.where(has_tail, a[:, k] / partials.tail_sum, zero)
+    kd_scale = torch.where(counts, weight * (alpha * tau), zero)              # d(alpha tau^2 f)/dz * dz/dr
+    dense_coef = torch.where(counts, kd_scale * dense, zero)
+    support_grad = torch.where(counts[:, None] & valid, kd_scale[:, None] * support, zero)
+    kd = torch.where(counts, f, zero)
+
+    label_grad, ce, ce_dense_coef = torch.zeros_like(weight), torch.zeros_like(weight), None
+    if partials.label_logit is not None:
+        ce_weight = torch.where(weight != 0, weight * (1.0 - alpha), zero)
+        label_grad = -ce_weight
+        if partials.ce_sum_exp is None:                                      # tau = 1: softmax(r) = q
+            ce = partials.row_max + sum_exp.log() - partials.label_logit
+            dense_coef = dense_coef + ce_weight / sum_exp
+            support_grad = support_grad + torch.where(valid, ce_weight[:, None] * q_support, zero)
+        else:
+            ce = tau * partials.row_max + partials.ce_sum_exp.log() - partials.label_logit
+            ce_dense_coef = ce_weight / partials.ce_sum_exp
+        ce = torch.where(weight != 0, ce, zero)
+    return TokenTerms(kd, ce, student_mass, dense_coef, support_grad, label_grad, ce_dense_coef)

@@ -1,0 +1,72 @@
+"""Input checks, done once up front: shapes and dtypes always (no sync), values when asked (one host sync)."""
+
+from __future__ import annotations
+
+import torch
+
+from .options import KDLossOptions
+from .tp import VocabShard
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
+def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
+                 teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor | None, labels: torch.Tensor | None,
+                 options: KDLossOptions, shard: VocabShard, sequence_parallel: bool) -> None:
+    """Raise ValueError naming the offending shape or dtype."""
+    if hidden.dim() != 3 or not hidden.dtype.is_floating_point:
+        raise ValueError(f"hidden must be a float [s, b, H] tensor, got {tuple(hidden.shape)} {hidden.dtype}")
+    if weight.dim() != 2 or weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"weight must be [V/tp, H={hidden.shape[2]}] of hidden's dtype {hidden.dtype}, "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    seq = hidden.shape[0] * (shard.size if sequence_parallel else 1)
+    tokens = (seq, hidden.shape[1])
+    if teacher_ids.dim() != 3 or tuple(teacher_ids.shape[:2]) != tokens or not _is_int(teacher_ids):
+        raise ValueError(f"teacher_ids must be an integer [s={seq}, b={hidden.shape[1]}, K] tensor, "
+                         f"got {tuple(teacher_ids.shape)} {teacher_ids.dtype}")
+    if teacher_ids.shape[2] < 1:
+        raise ValueError(f"teacher_ids has K={teacher_ids.shape[2]}; need K >= 1")
+    if teacher_logprobs.shape != teacher_ids.shape or not teacher_logprobs.dtype.is_floating_point:
+        raise ValueError(f"teacher_logprobs must be a float tensor shaped like teacher_ids {tuple(teacher_ids.shape)},"
+                         f" got {tuple(teacher_logprobs.shape)} {teacher_logprobs.dtype}")
+    if loss_mask is not None and tuple(loss_mask.shape) != tokens:
+        raise ValueError(f"loss_mask must be [s, b] = {tokens}, got {tuple(loss_mask.shape)}")
+    if labels is None and options.alpha < 1.0:
+        raise ValueError(f"alpha={options.alpha} < 1 mixes in cross entropy: pass labels")
+    if labels is not None and (tuple(labels.shape) != tokens or not _is_int(labels)):
+        raise ValueError(f"labels must be an integer [s, b] = {tokens} tensor, got {tuple(labels.shape)} "
+                         f"{labels.dtype}")
+    devices = {t.device for t in (hidden, weight, teacher_ids, teacher_logprobs, loss_mask, labels) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_values(teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                 labels: torch.Tensor | None, options: KDLossOptions, vocab_size: int) -> None:
+    """Raise ValueError for ids outside [0, V), NaN/+inf or positive log-probs (-inf is padding: probability 0),
+    top-K mass above 1 + mass_tolerance, or labels outside [0, V) on counted tokens. One host sync."""
+    logprobs = teacher_logprobs.double()
+    finite = torch.where(logprobs.isfinite(), logprobs, logprobs.new_tensor(-torch.inf))
+    counted = loss_mask != 0
+    label_range = [0.0, 0.0]
+    if labels is not None:
+        label_range = [torch.where(counted, labels, 0).min(), torch.where(counted, labels, 0).max()]
+    stats = torch.stack([teacher_ids.min().double(), teacher_ids.max().double(),
+                         logprobs.isnan().sum().double(), (logprobs == torch.inf).sum().double(),
+                         finite.max(), logprobs.exp().sum(-1).max(),
+                         *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device) for v in label_range)])
+    id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max = stats.tolist()
+    if id_min < 0 or id_max >= vocab_size:
+        raise ValueError(f"teacher_ids must lie in [0, V={vocab_size}), got min {int(id_min)} max {int(id_max)}")
+    if nans or pos_inf:
+        raise ValueError(f"teacher_logprobs has {int(nans)} NaN and {int(pos_inf)} +inf entries")
+    if lp_max > 0:
+        raise ValueError(f"teacher_logprobs must be <= 0 (log-probabilities), got max {lp_max}")
+    if mass_max > 1.0 + options.mass_tolerance:
+        raise ValueError(f"teacher top-K mass sum_k exp(logprob) is {mass_max} > 1 + mass_tolerance="
+                         f"{options.mass_tolerance}: the log-probs are not normalised over the full vocab")
+    if labels is not None and (label_min < 0 or label_max >= vocab_size):
+        raise ValueError(f"labels of counted tokens must lie in [0, V={vocab_size}), got min {int(label_min)} "
+                         f"max {int(label_max)}")
