@@ -1,0 +1,84 @@
+"""Held-out quality of a language model next to its teacher, evaluated densely over the full vocabulary.
+
+Per held-out token t with target y_t, student log-probs log q_t = log_softmax(z_t) and teacher
+log-probs log p_t over the same (padded) vocabulary V:
+
+    perplexity      = exp( mean_t  -log q_t[y_t] )
+    KL(teacher‖s)   = mean_t  Σ_v p_t[v] (log p_t[v] - log q_t[v])                      (nats/token)
+    ECE             = Σ_bins (n_bin / N) |accuracy_bin - confidence_bin|,  confidence = max_v q_t[v],
+                      accuracy = [argmax_v q_t[v] == y_t], ``ECE_BINS`` equal-width bins on [0, 1]
+
+Shapes: tokens [N, S+1] (samples as ``data.token_windows`` cuts them), logits [b, s, V].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tqdm.auto import tqdm
+
+ECE_BINS = 15
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Sums:
+    """Running sums for one model over the evaluated tokens."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+    bin_count: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+    bin_conf: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+    bin_correct: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+
+    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, teacher_logprobs: torch.Tensor) -> None:
+        """logprobs, teacher_logprobs [T, V] float32; targets [T]."""
+        self.nll -= logprobs.gather(1, targets[:, None]).double().sum().item()
+        self.kl += torch.sum(teacher_logprobs.exp() * (teacher_logprobs - logprobs), dtype=torch.float64).item()
+        self.tokens += targets.numel()
+        conf, pred = logprobs.max(dim=1)                                            # [T]
+        conf = conf.exp().double()
+        bins = torch.clamp((conf * ECE_BINS).long(), max=ECE_BINS - 1)
+        self.bin_count += torch.bincount(bins, minlength=ECE_BINS).double()
+        self.bin_conf += torch.bincount(bins, weights=conf, minlength=ECE_BINS)
+        self.bin_correct += torch.bincount(bins, weights=(pred == targets).double(), minlength=ECE_BINS)
+
+    def result(self) -> dict[str, float]:
+        ece = torch.sum(torch.abs(self.bin_correct - self.bin_conf)).item() / self.tokens
+        return dict(perplexity=float(torch.tensor(self.nll / self.tokens).exp()), kl_to_teacher=self.kl / self.tokens,
+                    ece=ece, tokens=self.tokens)
+
+
+def full_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Dense next-token log-probs of a TP=1 GPTModel for inputs ``tokens`` [b, s]; returns [b*s, V] float32."""
+    b, s = tokens.shape
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)  # True = masked out
+    logits = model(tokens, position_ids, causal)                         # [b, s, V]
+    return torch.log_softmax(logits.float(), dim=-1).reshape(b * s, -1)
+
+
+@torch.no_grad()
+def evaluate(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, samples: torch.Tensor, *,
+             micro_batch_size: int = 8, desc: str = "evaluate") -> dict[str, dict[str, float]]:
+    """Perplexity, KL(teacher‖model) and ECE of each model (and of the teacher, under "teacher").
+
+    All models run at TP=1 in eval mode; ``samples`` [N, S+1] int64. Returns {name: metrics}.
+    """
+    if samples.ndim != 2 or samples.shape[1] < 2:
+        raise ValueError(f"samples must be [N, S+1] with S >= 1, got shape {tuple(samples.shape)}")
+    everyone = {"teacher": teacher, **models}
+    was_training = {name: m.training for name, m in everyone.items()}
+    for m in everyone.values():
+        m.eval()
+    sums = {name: _Sums() for name in everyone}
+    for start in tqdm(range(0, len(samples), micro_batch_size), desc=desc, unit="batch"):
+        batch = samples[start:start + micro_batch_size]
+        inputs, targets = batch[:, :-1], batch[:, 1:].reshape(-1)
+        teacher_lp = full_logprobs(teacher, inputs)
+        for name, model in everyone.items():
+            sums[name].add(teacher_lp if model is teacher else full_logprobs(model, inputs), targets, teacher_lp)
+    for name, m in everyone.items():
+        m.train(was_training[name])
+    return {name: s.result() for name, s in sums.items()}
