@@ -1,0 +1,56 @@
+"""Shared inputs and references for the loss tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from megatron_kd_plugin.loss import topk_kd_loss
+
+COMBOS = [(tail, div) for tail, div in itertools.product(("ghost", "none", "renorm"),
+                                                         ("forward_kl", "reverse_kl", "jsd"))
+          if tail != "none" or div == "forward_kl"]
+
+
+def make_case(*, s=3, b=47, hidden_size=31, vocab=123, k=7, dtype=torch.float64, seed=0, duplicates=True,
+              padding=True, mask_sequence=True, teacher_vocab=None):
+    """Random student and a teacher whose top-K log-probs are normalised over ``teacher_vocab`` (default vocab),
+    with repeated ids, -inf padding slots and one fully masked sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, b, hidden_size, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64) / hidden_size ** 0.5 * 2
+    teacher_vocab = vocab if teacher_vocab is None else teacher_vocab
+    teacher = (torch.randn(s, b, teacher_vocab, generator=gen, dtype=torch.float64) * 2).log_softmax(-1)
+    logprobs, ids = teacher.topk(k, dim=-1)
+    perm = torch.randperm(k, generator=gen)                    # rank order must not matter
+    ids, logprobs = ids[..., perm], logprobs[..., perm]
+    if duplicates and k > 2:                                   # split one id's mass over two slots
+        ids[:, ::3, 1] = ids[:, ::3, 0]
+        half = logprobs[:, ::3, 0] - torch.log(torch.tensor(2.0, dtype=torch.float64))
+        logprobs[:, ::3, 0] = half
+        logprobs[:, ::3, 1] = half
+    if padding and k > 2:                                      # drop a slot: -inf, probability 0
+        logprobs[:, 1::4, k - 1] = -torch.inf
+    loss_mask = (torch.rand(s, b, generator=gen) > 0.2).double()
+    if mask_sequence:
+        loss_mask[:, 2] = 0.0
+    labels = torch.randint(0, vocab, (s, b), generator=gen)
+    return dict(hidden=hidden.to(dtype), weight=weight.to(dtype), teacher_ids=ids.to(torch.int32),
+                teacher_logprobs=logprobs, loss_mask=loss_mask, labels=labels)
+
+
+def run_loss(case, *, hidden=None, weight=None, **options):
+    """topk_kd_loss forward + backward of loss_sum; returns (result, d_hidden, d_weight)."""
+    hidden = (case["hidden"] if hidden is None else hidden).detach().clone().requires_grad_()
+    weight = (case["weight"] if weight is None else weight).detach().clone().requires_grad_()
+    labels = case["labels"] if options.pop("with_labels", False) else None
+    result = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"],
+                          loss_mask=case["loss_mask"], labels=labels, **options)
+    result.loss_sum.backward()
+    return result, hidden.grad, weight.grad
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (one number per tensor, robust to tiny entries)."""
+    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300))
