@@ -18,6 +18,8 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
+from megatron_kd_plugin.demo.train import causal_inputs
+
 ECE_BINS = 15
 
 
@@ -52,11 +54,8 @@ class _Sums:
 
 def full_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Dense next-token log-probs of a TP=1 GPTModel for inputs ``tokens`` [b, s]; returns [b*s, V] float32."""
-    b, s = tokens.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)  # True = masked out
-    logits = model(tokens, position_ids, causal)                         # [b, s, V]
-    return torch.log_softmax(logits.float(), dim=-1).reshape(b * s, -1)
+    logits = model(tokens, *causal_inputs(tokens))                       # [b, s, V]
+    return torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
 
 
 @torch.no_grad()

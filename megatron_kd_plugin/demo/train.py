@@ -1,17 +1,11 @@
-"""The demo's CPU training loop and its per-step losses (CE, online dense KD, cached top-K KD).
+"""The teacher's CPU training loop: cross entropy on token windows, before any cache exists.
 
-One loop for every model the demo and the quality benchmark train, so variants differ only in their loss:
-each step calls ``loss_step(step) -> (loss_sum, num_tokens, report)`` (megatron-core's 3-tuple loss contract)
-on one micro-batch, back-propagates ``loss_sum / num_tokens``, clips, and steps AdamW with linear warm-up
-then cosine decay. The losses, per unmasked token t with student logits z_t over the vocabulary V:
+Students train through the Megatron-Bridge CPU path (``megatron_kd_plugin.bridge.cpu_train``), which reads a
+teacher cache; the teacher comes first and has none, so it trains here on the same contract: each step calls
+``loss_step(step) -> (loss_sum, num_tokens, report)`` (megatron-core's 3-tuple loss) on one micro-batch,
+back-propagates ``loss_sum / num_tokens``, clips, and steps AdamW with linear warm-up then cosine decay.
 
-    ce_step        -log softmax(z_t)[y_t]                                  (megatron's vocab-parallel CE)
-    dense_kd_step  Σ_v p_t[v] (log p_t[v] - log softmax(z_t)[v]),  p_t = the teacher's full softmax, computed
-                   on the fly (teacher in the loop: the quality ceiling of distillation)
-    topk_kd_step   ``megatron_kd_plugin.loss.topk_kd_loss`` on the cached top-K (fused: the student's lm_head
-                   runs inside the loss, via GPTModel's ``output_processor`` hook)
-
-Shapes: samples [N, S+1] int64; a micro-batch's inputs/labels [b, s]; model logits [b, s, V].
+Shapes: samples [N, S+1] int64; a micro-batch's inputs/labels [b, s].
 """
 
 from __future__ import annotations
@@ -79,7 +73,7 @@ def train(model: torch.nn.Module, loss_step: LossStep, cfg: TrainConfig, *, desc
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
-            history.append({"loss": float(loss), "lr": cfg.lr_at(step), **report})
+            history.append({"loss": loss.item(), "lr": cfg.lr_at(step), **report})
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
     return history
 
@@ -99,7 +93,8 @@ def micro_batches(samples: torch.Tensor, micro_batch_size: int, seed: int) -> Ca
     return rows
 
 
-def _causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTModel's position_ids [b, s] and causal attention mask [1, 1, s, s] (True = masked) for tokens [b, s]."""
     b, s = tokens.shape
     return torch.arange(s).unsqueeze(0).expand(b, s), torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
 
@@ -110,53 +105,9 @@ def ce_step(model: torch.nn.Module, samples: torch.Tensor, rows: Callable[[int],
     def step_fn(step: int):
         batch = samples[rows(step)]
         inputs, labels = batch[:, :-1], batch[:, 1:]                               # [b, s]
-        position_ids, causal = _causal_inputs(inputs)
+        position_ids, causal = causal_inputs(inputs)
         per_token = model(inputs, position_ids, causal, labels=labels)             # [b, s]
         return per_token.sum(), torch.tensor(labels.numel()), {}
-
-    return step_fn
-
-
-def dense_kd_step(model: torch.nn.Module, teacher: torch.nn.Module, samples: torch.Tensor,
-                  rows: Callable[[int], torch.Tensor]) -> LossStep:
-    """Forward KL from the teacher's full softmax, computed on the fly (TP=1: full logits on one rank)."""
-    teacher.eval()
-
-    def step_fn(step: int):
-        inputs = samples[rows(step)][:, :-1]                                       # [b, s]
-        position_ids, causal = _causal_inputs(inputs)
-        with torch.no_grad():
-            teacher_lp = torch.log_softmax(teacher(inputs, position_ids, causal).float(), dim=-1)  # [b, s, V]
-        student_lp = torch.log_softmax(model(inputs, position_ids, causal).float(), dim=-1)        # [b, s, V]
-        kl = torch.sum(teacher_lp.exp() * (teacher_lp - student_lp))
-        return kl, torch.tensor(inputs.numel()), {}
-
-    return step_fn
-
-
-def topk_kd_step(model: torch.nn.Module, cached: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-                 rows: Callable[[int], torch.Tensor], *, k: int | None = None, **loss_options) -> LossStep:
-    """The fused top-K KD loss on cached rows; ``cached(rows)`` gives batch-first tokens [b, S+1] and
-    teacher_ids / teacher_logprobs [b, S, K_cache]; ``k`` keeps the first (highest) k of them."""
-    from megatron_kd_plugin.loss import topk_kd_loss
-
-    def processor(hidden_states, output_weight, output_layer, context, **_):
-        weight = output_weight if output_weight is not None else output_layer.weight  # [V/tp, H]
-        return topk_kd_loss(hidden_states, weight, context["teacher_ids"], context["teacher_logprobs"],
-                            labels=context["labels"], **loss_options)
-
-    def step_fn(step: int):
-        batch = cached(rows(step))
-        inputs, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]           # [b, s]
-        position_ids, causal = _causal_inputs(inputs)
-        context = dict(labels=labels.t().contiguous(),                             # [s, b]
-                       teacher_ids=batch["teacher_ids"][..., :k].transpose(0, 1).contiguous(),          # [s, b, K]
-                       teacher_logprobs=batch["teacher_logprobs"][..., :k].float().transpose(0, 1).contiguous())
-        result = model(inputs, position_ids, causal, output_processor=processor, output_processor_context=context)
-        n = result.num_tokens.clamp(min=1)
-        report = {"kd": float(result.kd_sum / n), "student_topk_mass": float(result.student_topk_mass_sum / n),
-                  "teacher_topk_mass": float(result.teacher_topk_mass_sum / n)}
-        return result.loss_sum, result.num_tokens, report
 
     return step_fn
 

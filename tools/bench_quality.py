@@ -1,0 +1,242 @@
+"""Distillation quality: does the offline top-K route keep what online, full-vocabulary KD gives?
+
+    python tools/bench_quality.py [--preset default|mini] [--output bench_results/quality] [--reuse outputs/demo]
+
+First the demo's stages 1-3 (``megatron_kd_plugin.demo.pipeline``: stdlib corpus, teacher, top-100 cache at
+TP=2), or ``--reuse`` a finished demo folder's. Then students of one architecture, step budget, batch order,
+learning-rate schedule and seed, each trained by the Megatron-Bridge CPU path (``train_on_cpu``) in its own
+child process, differing only in their loss:
+
+    ce            hard labels only (the fused loss at alpha = 0)
+    dense         online KD: the teacher runs in the loop, forward KL to its full softmax over the whole
+                  vocabulary (the quality ceiling; no cache)
+    top-K tail    the fused loss on the cache's K highest teacher log-probs, K in {1, 8, 32, 100}, tail in
+                  {ghost, none, renorm}, forward KL, alpha = 1
+
+Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with its
+training wall time and peak memory (resident set above the child's baseline before training, big allocations
+forced through mmap so freed memory leaves RSS). One table (markdown, also in ``results.md``) and one PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+TOPK = (1, 8, 32, 100)
+TAILS = ("ghost", "none", "renorm")
+VARIANTS = ("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
+
+
+def _truncate_topk(batch: dict, k: int) -> dict:
+    """The batch with its teacher top-K cut to the k most probable entries (rank order is not assumed)."""
+    logprobs, order = batch["teacher_logprobs"].topk(k, dim=-1)                   # [b, S, k]
+    return dict(batch, teacher_logprobs=logprobs, teacher_ids=batch["teacher_ids"].gather(-1, order))
+
+
+def topk_forward_step(k: int):
+    """The plugin's KD forward step on the first k cached entries."""
+    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+
+    def step(state, data_iterator, model):
+        return kd_forward_step(state, iter([_truncate_topk(next(data_iterator), k)]), model)
+
+    return step
+
+
+def dense_forward_step(teacher):
+    """Online KD: the teacher's full log-softmax on the fly; forward KL over the whole vocabulary (TP=1)."""
+    import torch
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from megatron_kd_plugin.bridge.forward_step import get_kd_batch
+    from megatron_kd_plugin.demo.train import causal_inputs
+
+    def processor(*, hidden_states, output_layer, output_weight, context, **_):
+        weight = output_weight if output_weight is not None else output_layer.weight    # [V, H]
+        hidden = copy_to_tensor_model_parallel_region(hidden_states)                    # [s, b, H]
+        student = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)              # [s, b, V]
+        teacher_lp = context["teacher_logprobs"]                                        # [s, b, V]
+        per_token = torch.sum(teacher_lp.exp() * (teacher_lp - student), dim=-1)        # [s, b]
+        mask = context["loss_mask"]
+        return torch.sum(per_token * mask), mask.sum().to(torch.int64)
+
+    def loss_func(output):
+        loss_sum, num_tokens = output
+        return loss_sum, num_tokens.int(), {"kd loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+    def step(state, data_iterator, model):
+        batch = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
+        with torch.no_grad():
+            teacher_lp = torch.log_softmax(teacher(batch["tokens"], *causal_inputs(batch["tokens"])).float(), -1)
+        context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), loss_mask=batch["loss_mask"].t())
+        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                       labels=batch["labels"], output_processor=processor, output_processor_context=context)
+        return output, loss_func
+
+    return step
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def run_variant(variant: str, work: pathlib.Path, preset: str) -> dict:
+    """Trains and evaluates one student (called in a child process); returns its row."""
+    import torch
+
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.demo.data import DemoCorpus, padded_vocab_size, token_windows
+    from megatron_kd_plugin.demo.metrics import evaluate
+    from megatron_kd_plugin.demo.pipeline import PRESETS, STUDENT_RECIPE, student_overrides
+    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.gpt import load_gpt
+    from tools.train_kd import build_config
+
+    cfg = PRESETS[preset]
+    corpus = DemoCorpus.load(work / "data")
+    vocab = padded_vocab_size(corpus.vocab_size)
+    with single_process_megatron(cfg.seed):
+        baseline = _rss_bytes()
+        teacher = None
+        if variant == "dense":
+            teacher, _ = load_gpt(work / "teacher", tp_size=1)
+            teacher.eval()
+            step_func = dense_forward_step(teacher)
+        elif variant == "ce":
+            step_func = topk_forward_step(1)  # the KD term is weighted 0; one cached entry keeps the pass cheap
+        else:
+            k, tail = variant.removeprefix("top").split("-")
+            step_func = topk_forward_step(int(k))
+        alpha = 0.0 if variant == "ce" else 1.0
+        overrides = student_overrides(cfg, work / "cache.zarr", vocab, work / "bench" / variant, alpha=alpha)
+        if variant.startswith("top"):
+            overrides.append(f"kd.tail={variant.split('-')[1]}")
+        config = build_config(STUDENT_RECIPE, overrides)
+        start = time.perf_counter()
+        models, history = train_on_cpu(config, step_func)
+        seconds = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        if teacher is None:
+            teacher, _ = load_gpt(work / "teacher", tp_size=1)
+        heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
+        metrics = evaluate({variant: models[0]}, teacher, heldout, micro_batch_size=cfg.micro_batch_size,
+                           desc=f"eval {variant}")
+    final = history[-1]
+    return dict(variant=variant, **metrics[variant], teacher=metrics["teacher"], train_seconds=seconds,
+                peak_mib=peak / 2**20, final_train_loss=final.get("kd loss", final.get("lm loss")),
+                threads=torch.get_num_threads())
+
+
+def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, overwrite: bool) -> None:
+    """Stages 1-3 of the demo into ``work`` (or links a finished demo folder's data, teacher and cache)."""
+    from megatron_kd_plugin.demo import pipeline
+    from megatron_kd_plugin.demo.data import build_corpus
+    from megatron_kd_plugin.demo.train import single_process_megatron
+
+    if (work / "cache.zarr").exists() and not overwrite:
+        print(f"[bench] reusing data, teacher and cache in {work}", flush=True)
+        return
+    pipeline.prepare_output(work, overwrite)
+    if reuse is not None:
+        for name in ("data", "teacher", "cache.zarr", "config.json"):
+            if not (reuse / name).exists():
+                raise ValueError(f"--reuse {reuse}: no {name} there (run the demo first)")
+            (work / name).symlink_to((reuse / name).resolve())
+        return
+    cfg = pipeline.PRESETS[preset]
+    (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    corpus = build_corpus(work / "data", cfg.corpus)
+    with single_process_megatron(cfg.seed):
+        pipeline.train_teacher(cfg, corpus, work / "teacher")
+    pipeline.cache_teacher(cfg, corpus, work / "teacher", work / "cache.zarr")
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table; relative columns compare with the online dense-KD row."""
+    dense = next((r for r in rows if r["variant"] == "dense"), None)
+    out = ["| student | held-out ppl | KL(teacher ‖ student) | ECE | ppl vs dense | KL vs dense | train s | "
+           "peak MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        rel = (f"{100 * (r['perplexity'] / dense['perplexity'] - 1):+.2f}% | "
+               f"{100 * (r['kl_to_teacher'] / dense['kl_to_teacher'] - 1):+.2f}%" if dense else "- | -")
+        out.append(f"| {r['variant']} | {r['perplexity']:.3f} | {r['kl_to_teacher']:.4f} | {r['ece']:.4f} | {rel} | "
+                   f"{r['train_seconds']:.1f} | {r['peak_mib']:.0f} |")
+    teacher = rows[0]["teacher"]
+    out.append(f"| (teacher) | {teacher['perplexity']:.3f} | 0 | {teacher['ece']:.4f} | | | | |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0], "kl_to_teacher", "held-out KL(teacher ‖ student), nats/token"),
+                           (axes[1], "perplexity", "held-out perplexity")):
+        values = [r[key] for r in rows]
+        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else
+                  {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[n.split("-")[1]] for n in names]
+        ax.bar(range(len(rows)), values, color=colors)
+        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_ylim(min(values) * 0.95, max(values) * 1.02)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("students: CE only, online dense KD, cached top-K x tail")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_kd_plugin.demo.pipeline import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--output", type=pathlib.Path, default=REPO_ROOT / "bench_results" / "quality")
+    parser.add_argument("--reuse", type=pathlib.Path, help="a finished demo folder of the same preset")
+    parser.add_argument("--overwrite", action="store_true", help="redo stages 1-3 and every variant")
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    work = args.output
+    if args.child:
+        row = run_variant(args.child, work, args.preset)
+        (work / "bench" / f"{args.child}.json").write_text(json.dumps(row, indent=1) + "\n")
+        return 0
+    prepare_work(work, args.preset, args.reuse, args.overwrite)
+    (work / "bench").mkdir(exist_ok=True)
+    rows = []
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    for variant in args.variants:
+        result = work / "bench" / f"{variant}.json"
+        if args.overwrite or not result.exists():
+            print(f"[bench] {variant}", flush=True)
+            subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
+                            "--child", variant], check=True, env=env, cwd=REPO_ROOT)
+        rows.append(json.loads(result.read_text()))
+    text = table(rows)
+    (work / "results.md").write_text(text + "\n")
+    plot(rows, work / "quality.png")
+    print("\n" + text + f"\n\n[bench] {work / 'results.md'}, {work / 'quality.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
