@@ -1,0 +1,90 @@
+"""The KD section of a Megatron-Bridge config: loss options Bridge's overrides can set, and the container holding it.
+
+    cfg = KDConfigContainer(model=..., dataset=TopKCacheDatasetProvider(...), kd=KDConfig(temperature=2.0), ...)
+    process_config_with_overrides(cfg, cli_overrides=["kd.alpha=0.5"])   # Bridge's Hydra-style overrides
+
+``KDConfig`` mirrors ``megatron_kd_plugin.loss.KDLossOptions`` field for field (their meanings are documented
+there, once). It exists because Bridge applies overrides with ``setattr`` and the loss's options are frozen: a
+frozen section would silently ignore ``kd.temperature=2``. ``KDConfig.options()`` builds (and so validates) the
+frozen options the loss receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.bridge.training.config import ConfigContainer
+
+from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
+from megatron_kd_plugin.loss.options import KDLossOptions
+
+_DEFAULTS = KDLossOptions()
+
+
+@dataclasses.dataclass(kw_only=True)
+class KDConfig:
+    """Top-K distillation loss options (see ``KDLossOptions`` for each field's meaning)."""
+
+    tail: str = _DEFAULTS.tail
+    """``ghost`` | ``none`` | ``renorm``: the teacher's mass outside its top-K."""
+    divergence: str = _DEFAULTS.divergence
+    """``forward_kl`` | ``reverse_kl`` | ``jsd``."""
+    jsd_beta: float = _DEFAULTS.jsd_beta
+    """beta of JSD_beta, in (0, 1)."""
+    temperature: float = _DEFAULTS.temperature
+    """tau > 0 (KD term scaled by tau^2)."""
+    alpha: float = _DEFAULTS.alpha
+    """alpha * tau^2 * KD + (1 - alpha) * CE; alpha < 1 adds the hard-label ``lm loss``."""
+    impl: str = _DEFAULTS.impl
+    """``fused`` (the product) | ``forward_chunked`` | ``dense`` (reference only: builds [T, V])."""
+    mode: str = _DEFAULTS.mode
+    """``recompute`` | ``grad_in_forward`` (fused only)."""
+    chunk_bytes: int | None = _DEFAULTS.chunk_bytes
+    """Per-chunk working-buffer budget in bytes; None: the loss's default."""
+    validate: bool = _DEFAULTS.validate
+    """Check the teacher's values up front on every call (one host sync)."""
+    mass_tolerance: float = _DEFAULTS.mass_tolerance
+    """How far the teacher's top-K mass may exceed 1 before it is an error."""
+
+    def options(self) -> KDLossOptions:
+        """The frozen, validated options for ``topk_kd_loss`` (raises ValueError on a bad value)."""
+        return KDLossOptions(**dataclasses.asdict(self))
+
+    def finalize(self) -> None:
+        """Validate now, before step one."""
+        self.options()
+
+
+@dataclasses.dataclass(kw_only=True)
+class KDConfigContainer(ConfigContainer):
+    """Bridge's ``ConfigContainer`` plus the ``kd`` section read by ``kd_forward_step``."""
+
+    kd: KDConfig = dataclasses.field(default_factory=KDConfig)
+    """Top-K distillation loss options."""
+
+    def validate(self) -> None:
+        """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this)."""
+        super().validate()
+        check_kd_config(self)
+
+
+def check_kd_config(cfg: ConfigContainer) -> None:
+    """What a KD run needs before step one; ValueError naming the offending value.
+
+    The loss options are valid; the dataset is a finished top-K cache whose K is the expected one, whose
+    vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's);
+    context parallelism and virtual pipelines, which the KD step does not handle, are off.
+    """
+    if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
+        raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
+    cfg.kd.finalize()
+    model = cfg.model
+    if model.seq_length != cfg.dataset.seq_length:
+        raise ValueError(f"model.seq_length={model.seq_length} != dataset.seq_length={cfg.dataset.seq_length}: "
+                         "override both")
+    if model.context_parallel_size != 1:
+        raise ValueError(f"model.context_parallel_size={model.context_parallel_size}: the KD step supports only 1")
+    if (model.virtual_pipeline_model_parallel_size or 1) != 1:
+        raise ValueError(f"model.virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}:"
+                         " the KD step supports only None")
+    cfg.dataset.open_validated(vocab_size=model.vocab_size)

@@ -1,0 +1,134 @@
+"""CPU development path: the KD recipe, dataset provider, forward step and loss under a minimal microbatch loop.
+
+Megatron-Bridge's training loop and megatron-core's schedules assume CUDA (``forward_backward_no_pipelining``
+allocates ``total_num_tokens`` on "cuda"), so on a machine without CUDA this loop drives the same pieces: it runs
+megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward_step_calc_loss`` contract: the
+3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
+gradients over data parallelism, clips them with megatron-core's TP-aware norm, and steps a plain
+``torch.optim.AdamW`` under Bridge's learning-rate scheduler. It is not a second trainer: no checkpoints,
+evaluation, mixed precision or pipeline parallelism; on a GPU, ``tools/train_kd.py`` runs Bridge's ``pretrain()``.
+
+    models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
+
+"loss" is the optimised objective (alpha * tau^2 * KD + (1 - alpha) * CE per token); the other entries are
+Bridge's report pairs reduced as Bridge logs them (sum over microbatches and DP ranks / token count).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.bridge.data.base import DatasetBuildContext
+from megatron.bridge.data.loaders import get_train_valid_test_num_samples
+from megatron.bridge.data.samplers import build_pretraining_data_loader
+from megatron.bridge.training.config import runtime_config_update
+from megatron.bridge.training.optim import _get_scheduler
+from megatron.bridge.training.state import GlobalState
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.utils import get_model_config
+from tqdm import tqdm
+
+from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, cuda_absent, seed_model_parallel
+
+
+def local_block_spec(config):
+    """megatron-core's non-Transformer-Engine block spec: TE layers raise "needs CUDA" (DESIGN.md §3)."""
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+
+
+def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
+    """gloo process group (torchrun's env, or a single local process) and megatron's parallel state, if not yet."""
+    if not dist.is_initialized():
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"),
+                           ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group("gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    initialized = parallel_state.get_tensor_model_parallel_world_size()
+    if initialized != tensor_model_parallel_size:
+        raise ValueError(f"model.tensor_model_parallel_size={tensor_model_parallel_size} but megatron's parallel "
+                         f"state was initialised with TP={initialized}")
+
+
+def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str, float]:
+    """Sum each ``[sum, count]`` pair over microbatches and data-parallel ranks -> sum / count (Bridge's rule)."""
+    metrics = {}
+    for key in reports[0]:
+        pair = torch.stack([r[key].detach().float() for r in reports]).sum(0)
+        dist.all_reduce(pair, group=dp_group)
+        metrics[key] = float(pair[0] / pair[1])
+    return metrics
+
+
+def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = True):
+    """Train ``cfg`` (a KD recipe) for ``cfg.train.train_iters`` steps on CPU; returns (model chunks, history).
+
+    Raises ValueError before step one on anything the run cannot do (bad store, mismatched sizes, PP > 1, CUDA
+    present: use Bridge's ``pretrain()`` there).
+    """
+    if not cuda_absent():
+        raise ValueError("CUDA is available: train with Megatron-Bridge's pretrain() (tools/train_kd.py does)")
+    if cfg.model.pipeline_model_parallel_size != 1:
+        raise ValueError(f"model.pipeline_model_parallel_size={cfg.model.pipeline_model_parallel_size}: the CPU "
+                         "loop runs no pipeline schedule; use 1")
+    apply_cpu_workarounds()
+    init_cpu_distributed(cfg.model.tensor_model_parallel_size)
+    runtime_config_update(cfg)   # Bridge's finalisation + cfg.validate(), which includes the KD checks
+    state = GlobalState()
+    state.cfg = cfg
+    seed_model_parallel(cfg.rng.seed)
+    models = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_size = dist.get_world_size(dp_group)
+    train_samples, _, _ = get_train_valid_test_num_samples(cfg)
+    train_ds, _, _ = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=train_samples, valid_samples=0,
+                                                                    test_samples=0))
+    loader = build_pretraining_data_loader(
+        train_ds, 0, cfg.dataset.dataloader_type, cfg.train.micro_batch_size, cfg.dataset.num_workers,
+        cfg.dataset.data_sharding, pin_memory=False, data_parallel_rank=dist.get_rank(dp_group),
+        data_parallel_size=dp_size, global_batch_size=cfg.train.global_batch_size, seed=cfg.dataset.seed)
+    data_iterator = iter(loader)
+    num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                  weight_decay=opt.weight_decay)
+    scheduler = _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)
+    model_config = get_model_config(models[0])
+    step_func = lambda data_iterator, model: forward_step_func(state, data_iterator, model)  # noqa: E731
+    history = []
+    steps = range(cfg.train.train_iters)
+    for step in tqdm(steps, desc="KD on CPU", disable=not progress or dist.get_rank() != 0):
+        for param in params:
+            param.grad = None
+        reports, loss = [], torch.zeros(())
+        for microbatch in range(num_microbatches):
+            output, _ = forward_step(step_func, data_iterator, models[0], num_microbatches, None, reports,
+                                     model_config, cp_group_size=1, is_first_microbatch=microbatch == 0,
+                                     current_microbatch=microbatch)
+            backward_step(None, output, None, model_config)
+            loss += output.detach()   # already divided by num_tokens and num_microbatches
+        for param in params:   # what DDP does: average gradients over data-parallel ranks
+            dist.all_reduce(param.grad, group=dp_group)
+            param.grad /= dp_size
+        grads_for_norm = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
+        grad_norm = get_grad_norm_fp32(grads_for_norm, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+        if opt.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(params, opt.clip_grad, grad_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step(increment=cfg.train.global_batch_size)
+        dist.all_reduce(loss, group=dp_group)
+        history.append({"step": step, "loss": float(loss) / dp_size, "lr": lr, "grad norm": float(grad_norm),
+                        **_reduce_report(reports, dp_group)})
+    return models, history

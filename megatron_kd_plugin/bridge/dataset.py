@@ -1,0 +1,71 @@
+"""Student training rows cut from a teacher top-K cache: a map-style dataset Megatron's samplers can index.
+
+A cached sample holds S_c tokens; a student with seq_length S (S divides S_c) sees S_c / S windows per cached
+sample. Window w of cached sample i gives the row
+
+    tokens           = cache.tokens[i][w*S : w*S + S]            # [S]
+    labels           = cache.tokens[i][w*S + 1 : w*S + S + 1]    # [S], the token each position predicts
+    teacher_ids      = cache.teacher_ids[i][w*S : w*S + S]       # [S, K], the teacher's top-K for those labels
+    teacher_logprobs = cache.teacher_logprobs[i][w*S : w*S + S]  # [S, K]
+    loss_mask        = 1, position_ids = 0..S-1                  # [S]
+
+Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
+from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
+samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class TopKCacheDataset(torch.utils.data.Dataset):
+    """``num_rows`` student rows of ``seq_length`` tokens drawn from the cached samples ``sample_ids``."""
+
+    def __init__(self, reader, sample_ids: np.ndarray, *, seq_length: int, num_rows: int, seed: int,
+                 shuffle: bool = True):
+        cached = reader.spec.seq_length
+        if seq_length < 1 or cached % seq_length:
+            raise ValueError(f"student seq_length={seq_length} must divide the cache's seq_length={cached}")
+        if len(sample_ids) == 0:
+            raise ValueError("this split holds no cached samples; change the split or write a larger cache")
+        self.reader = reader
+        self.sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        self.seq_length = seq_length
+        self.windows_per_sample = cached // seq_length
+        self.windows_per_epoch = len(self.sample_ids) * self.windows_per_sample
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch, self._order = -1, None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def window_of(self, row: int) -> tuple[int, int]:
+        """(cached sample index, window index) that row ``row`` reads."""
+        if not 0 <= row < self.num_rows:
+            raise IndexError(f"row {row} out of range for a dataset of {self.num_rows} rows")
+        epoch, position = divmod(row, self.windows_per_epoch)
+        if self.shuffle and epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows_per_epoch)
+            self._epoch = epoch
+        window = int(self._order[position]) if self.shuffle else position
+        sample, offset = divmod(window, self.windows_per_sample)
+        return int(self.sample_ids[sample]), offset
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        sample, window = self.window_of(int(row))
+        cached = self.reader[sample]
+        s = self.seq_length
+        begin = window * s
+        tokens = cached["tokens"].long()
+        return {
+            "tokens": tokens[begin:begin + s],
+            "labels": tokens[begin + 1:begin + s + 1],
+            "loss_mask": torch.ones(s, dtype=torch.float32),
+            "position_ids": torch.arange(s, dtype=torch.long),
+            "teacher_ids": cached["teacher_ids"][begin:begin + s],
+            "teacher_logprobs": cached["teacher_logprobs"][begin:begin + s].float(),
+        }

@@ -1,0 +1,93 @@
+"""The KD forward step and loss function, on Megatron-Bridge's contracts (``pretrain(cfg, kd_forward_step)``).
+
+Per microbatch:
+  1. ``get_kd_batch`` takes the next batch-first dict from the data iterator, keeps what this pipeline stage needs
+     (first: tokens, position_ids; last: labels, loss_mask, teacher_ids, teacher_logprobs) and moves it to the
+     model's device. Bridge's own batch function cannot be used: it drops unknown keys (the teacher tensors).
+  2. The model runs with GPTModel's ``output_processor`` hook: on the last stage the final-norm hidden states
+     [s, b, H] (or [s/tp, b, H] with sequence parallelism) and this rank's lm_head shard [V/tp, H] go straight
+     into ``topk_kd_loss``; no [s, b, V/tp] logits are built. The loss maps hidden through
+     ``copy_to_tensor_model_parallel_region`` (``gather_from_sequence_parallel_region`` with SP) itself, so dX is
+     all-reduced (reduce-scattered) across TP in backward.
+  3. ``kd_loss_func`` returns Megatron's 3-tuple ``(loss_sum, num_tokens, report)``; the schedule divides by
+     num_tokens and the number of microbatches. ``report`` holds ``[sum, count]`` pairs: ``kd loss``,
+     ``lm loss`` (only when alpha < 1), ``student top-K mass`` and ``teacher top-K mass``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
+
+FIRST_STAGE_KEYS = ("tokens", "position_ids")
+LAST_STAGE_KEYS = ("labels", "loss_mask", "teacher_ids", "teacher_logprobs")
+
+
+def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) -> dict[str, torch.Tensor | None]:
+    """This stage's tensors of the next batch (batch-first, as the dataset yields them), on the model's device.
+
+    Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
+    """
+    wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + (LAST_STAGE_KEYS if is_last_stage else ())
+    if not wanted:
+        return dict.fromkeys(FIRST_STAGE_KEYS + LAST_STAGE_KEYS)
+    batch = next(data_iterator)
+    missing = [key for key in wanted if key not in batch]
+    if missing:
+        raise ValueError(f"KD batch lacks {missing}: the data iterator must yield TopKCacheDataset rows")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {key: batch[key].to(device, non_blocking=True) if key in wanted else None
+            for key in FIRST_STAGE_KEYS + LAST_STAGE_KEYS}
+
+
+def _kd_output_processor(*, hidden_states, output_layer, output_weight, context, **_) -> KDLossResult:
+    """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss."""
+    weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
+    return topk_kd_loss(hidden_states, weight, **context)
+
+
+def kd_loss_func(alpha: float, output_tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's 3-tuple loss contract from the loss's result (``lm loss`` reported only when alpha < 1).
+
+    ``output_tensor`` is the ``KDLossResult`` (or the plain tuple a bf16 ``Float16Module`` turns it into).
+    """
+    result = KDLossResult(*output_tensor)
+    count = result.num_tokens.to(torch.float32)
+    report = {"kd loss": torch.stack([result.kd_sum, count])}
+    if alpha < 1.0:
+        report["lm loss"] = torch.stack([result.ce_sum, count])
+    report["student top-K mass"] = torch.stack([result.student_topk_mass_sum, count])
+    report["teacher top-K mass"] = torch.stack([result.teacher_topk_mass_sum, count])
+    return result.loss_sum, result.num_tokens.to(torch.int), report
+
+
+def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = False):
+    """Bridge forward step: ``(output, partial(kd_loss_func, alpha))``; reads ``state.cfg.kd`` (a ``KDConfig``)."""
+    if return_schedule_plan:
+        raise ValueError("kd_forward_step does not build MoE overlap schedule plans "
+                         "(set model.overlap_moe_expert_parallel_comm=False)")
+    options = state.cfg.kd.options()
+    config = get_model_config(model)
+    pg_collection = get_attr_wrapped_model(model, "pg_collection")
+    batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
+                         is_last_stage=is_pp_last_stage(pg_collection.pp))
+    context = None
+    if batch["teacher_ids"] is not None:
+        context = dict(
+            teacher_ids=batch["teacher_ids"].transpose(0, 1),              # [s, b, K]
+            teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1),    # [s, b, K]
+            loss_mask=batch["loss_mask"].t(),                              # [s, b]
+            labels=batch["labels"].t() if options.alpha < 1.0 else None,  # [s, b]
+            tp_group=pg_collection.tp,
+            sequence_parallel=config.sequence_parallel,
+            **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
+        )
+    output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                   labels=batch["labels"], output_processor=_kd_output_processor, output_processor_context=context)
+    return output, functools.partial(kd_loss_func, options.alpha)

@@ -1,0 +1,48 @@
+"""The one base every KD recipe starts from; recipes set only their deltas (model, parallelism, batch, precision)."""
+
+from __future__ import annotations
+
+import os
+
+from megatron.bridge.models import GPTModelProvider
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    DistributedDataParallelConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+
+from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
+from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
+
+
+def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str) -> KDConfigContainer:
+    """A KD run of ``model`` on the teacher cache at ``cache_path``: Adam + cosine, forward KL with a ghost tail.
+
+    The dataset's seq_length is the model's; the tokenizer is a NullTokenizer of the model's vocabulary (the
+    cache holds token ids already). Outputs go to ``outputs/<run_name>/``.
+    """
+    run_dir = os.path.join("outputs", run_name)
+    return KDConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=1000, global_batch_size=16, micro_batch_size=1),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        optimizer=OptimizerConfig(optimizer="adam", lr=1e-4, min_lr=1e-5, weight_decay=0.01, adam_beta1=0.9,
+                                  adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=True),
+        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=50),
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                          overlap_grad_reduce=True, overlap_param_gather=True),
+        dataset=TopKCacheDatasetProvider(cache_path=cache_path, seq_length=model.seq_length, num_workers=2),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_dir, "tb_logs")),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
+        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"), save_interval=500,
+                                    ckpt_format="torch_dist"),
+        rng=RNGConfig(seed=1234),
+        mixed_precision="bf16_mixed",
+        kd=KDConfig(),
+    )
