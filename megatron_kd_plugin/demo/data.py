@@ -117,24 +117,27 @@ def stdlib_source_files(root: pathlib.Path | None = None) -> list[pathlib.Path]:
     return sorted(files, key=lambda p: (_path_hash(p), p.as_posix()))
 
 
-def split_by_file(files: list[pathlib.Path], root: pathlib.Path, cfg: CorpusConfig) -> dict[str, list[str]]:
+def split_by_file(files: list[pathlib.Path], root: pathlib.Path, cfg: CorpusConfig) -> dict[str, list[pathlib.Path]]:
     """Assigns whole files to "train" / "heldout" by path hash; each split takes files until its byte budget."""
-    splits: dict[str, list[str]] = {"train": [], "heldout": []}
+    splits: dict[str, list[pathlib.Path]] = {"train": [], "heldout": []}
     budget = {"train": cfg.train_bytes, "heldout": cfg.heldout_bytes}
     used = {"train": 0, "heldout": 0}
     for rel in files:
         name = "heldout" if _path_hash(rel) % cfg.heldout_every == 0 else "train"
-        if used[name] >= budget[name]:
-            continue
-        text = (root / rel).read_text(encoding="utf-8", errors="replace")
-        splits[name].append(text)
-        used[name] += len(text.encode("utf-8"))
+        if used[name] < budget[name]:
+            splits[name].append(rel)
+            used[name] += (root / rel).stat().st_size
         if all(used[k] >= budget[k] for k in used):
             break
-    for name, texts in splits.items():
-        if not texts:
+    for name, chosen in splits.items():
+        if not chosen:
             raise ValueError(f"the {name} split is empty: raise its byte budget or lower heldout_every={cfg.heldout_every}")
     return splits
+
+
+def read_sources(root: pathlib.Path, files: list[pathlib.Path]) -> list[str]:
+    """The files' text (UTF-8; undecodable bytes replaced)."""
+    return [(root / rel).read_text(encoding="utf-8", errors="replace") for rel in files]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -172,7 +175,8 @@ def build_corpus(folder: str | pathlib.Path, cfg: CorpusConfig = CorpusConfig(),
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     root = root or stdlib_root()
-    splits = split_by_file(stdlib_source_files(root), root, cfg)
+    splits = {name: read_sources(root, files)
+              for name, files in split_by_file(stdlib_source_files(root), root, cfg).items()}
     tokenizer = train_tokenizer(splits["train"], cfg.vocab_size)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer.save(str(tokenizer_path))
