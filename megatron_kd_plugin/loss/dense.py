@@ -1,5 +1,5 @@
 """Dense top-K KD, the reference: full logits [T, V] (gathered over TP), the teacher expanded into a [T, V] grid,
-the loss written from its definition on the grid and differentiated by autograd. Memory ~ several T*V tensors.
+the loss written from its definition on the grid and differentiated by autograd. Memory ~ 5-6 T*V tensors.
 """
 
 from __future__ import annotations
@@ -10,6 +10,33 @@ import torch.nn.functional as F
 from .divergence import bucket_divergence
 from .options import KDLossOptions
 from .tp import VocabShard
+
+
+@torch.no_grad()
+def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, dtype):
+    """Teacher buckets on the grid: (log P [T, V] (-inf off the support), support [T, V] bool, m [T],
+    ghost tail log P [T], tail present [T]). Repeated ids add up."""
+    tau = options.temperature
+    valid = teacher_logprobs > -torch.inf                                    # [T, K]
+    log_p = torch.zeros(shape, dtype=dtype, device=teacher_ids.device)
+    log_p.scatter_add_(-1, teacher_ids, torch.where(valid, teacher_logprobs.exp(), 0.0))     # P [T, V]
+    support = torch.zeros(shape, dtype=torch.uint8, device=teacher_ids.device).scatter_reduce_(
+        -1, teacher_ids, valid.to(torch.uint8), reduce="amax").bool()
+    mass = log_p.sum(-1)
+    log_p.log_().div_(tau).masked_fill_(~support, -torch.inf)                # l / tau
+    has_support = support.any(-1)
+    tail_present = support.sum(-1) < shape[-1]
+    tail = torch.full_like(mass, -torch.inf)
+    if options.tail == "ghost":
+        tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)) / tau, -torch.inf)
+        norm = torch.logaddexp(log_p.logsumexp(-1), tail)
+        tail = tail - norm
+    else:
+        norm = torch.where(has_support, log_p.logsumexp(-1), 0.0)
+        if options.tail == "none":
+            norm = norm - mass.log()
+    log_p.sub_(norm[:, None])
+    return log_p, support, mass, tail, tail_present & (options.tail == "ghost")
 
 
 def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
@@ -23,44 +50,28 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
         logits = gather_from_tensor_model_parallel_region(logits, group=shard.group)   # [T, V]
-    z = logits / tau
-    log_q_vocab = z.log_softmax(-1)                                          # [T, V]
-    teacher_ids = teacher_ids.long()
-    teacher_logprobs = teacher_logprobs.to(dtype)
-    valid = teacher_logprobs > -torch.inf
-    p_grid = torch.zeros_like(z, requires_grad=False).scatter_add(      # duplicates add up
-        -1, teacher_ids, torch.where(valid, teacher_logprobs.exp(), torch.zeros_like(teacher_logprobs)))
-    support = torch.zeros_like(z, requires_grad=False).scatter_add(-1, teacher_ids, valid.to(dtype)) > 0
-    mass = p_grid.sum(-1)                                                    # [T]
-    has_support = support.any(-1, keepdim=True)
-    neg_inf = torch.full_like(z, -torch.inf)
-    tempered = torch.where(support, p_grid.log() / tau, neg_inf)             # [T, V]
-    if options.tail == "ghost":
-        tail_present = support.sum(-1) < z.shape[-1]
-        tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)) / tau, -torch.inf)
-        log_p = torch.cat([tempered, tail[:, None]], -1).log_softmax(-1)     # [T, V + 1]
-        tail_q = torch.where(support, torch.zeros_like(z), log_q_vocab.exp()).sum(-1)
-        log_tail_q = torch.where(tail_present, tail_q, torch.ones_like(tail_q)).log()
-        log_q = torch.cat([log_q_vocab, log_tail_q[:, None]], -1)
-        present = torch.cat([support, tail_present[:, None]], -1)
-    else:
-        log_p = torch.where(has_support, tempered, torch.zeros_like(tempered)).log_softmax(-1)
-        if options.tail == "none":
-            log_p = log_p + mass.log()[:, None]
-            log_q = log_q_vocab
-        else:
-            log_q = torch.where(has_support, torch.where(support, z, neg_inf), torch.zeros_like(z)).log_softmax(-1)
-        present = support
-    counted = loss_mask != 0
-    if options.tail == "renorm":
-        counted = counted & has_support[:, 0]
-    kd = torch.where(counted, bucket_divergence(log_p, log_q, present, options.divergence, options.jsd_beta), 0.0)
-    kd_sum = (loss_mask.to(dtype) * kd).sum()
-    ce_sum = kd_sum.new_zeros(())
-    if labels is not None:
-        ce = F.cross_entropy(logits, labels.long(), reduction="none")       # tau = 1
-        ce_sum = (loss_mask.to(dtype) * torch.where(loss_mask != 0, ce, 0.0)).sum()
-    student_mass = torch.where(support, log_q_vocab.exp(), torch.zeros_like(z)).sum(-1)
+    weights = loss_mask.to(dtype)
+    ce_sum = weights.new_zeros(())
+    if labels is not None:                                                   # CE at tau = 1
+        ce = F.cross_entropy(logits, labels.long(), reduction="none")
+        ce_sum = (weights * torch.where(loss_mask != 0, ce, 0.0)).sum()
+    log_q = (logits if tau == 1.0 else logits / tau).log_softmax(-1)         # [T, V] student log q
+    del logits
+    log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs.to(dtype),
+                                                               log_q.shape, options, dtype)
+    has_support = support.any(-1)
+    with torch.no_grad():
+        student_mass = torch.where(support, log_q.exp(), 0.0).sum(-1)
+    if options.tail == "renorm":                                             # Q_k = q_k / sum_S q
+        log_q = torch.where(has_support[:, None], log_q.masked_fill(~support, -torch.inf), 0.0).log_softmax(-1)
+    kd = bucket_divergence(log_p, log_q, support, options.divergence, options.jsd_beta)
+    if options.tail == "ghost":                                              # the tail bucket, 1 - s
+        tail_q = torch.where(support, 0.0, log_q.exp()).sum(-1)
+        log_tail_q = torch.where(tail_present, tail_q, 1.0).log()
+        kd = kd + bucket_divergence(tail_p[:, None], log_tail_q[:, None], tail_present[:, None],
+                                    options.divergence, options.jsd_beta)
+    counted = (loss_mask != 0) & (has_support | (options.tail != "renorm"))
+    kd_sum = (weights * torch.where(counted, kd, 0.0)).sum()
     mass_sum = torch.where(loss_mask != 0, student_mass, 0.0).sum()
     loss_sum = alpha * tau ** 2 * kd_sum + (1.0 - alpha) * ce_sum
-    return loss_sum, kd_sum.detach(), ce_sum.detach(), mass_sum.detach()
+    return loss_sum, kd_sum.detach(), ce_sum.detach(), mass_sum

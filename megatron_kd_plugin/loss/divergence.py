@@ -25,15 +25,17 @@ def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch
 
 def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, present: torch.Tensor, divergence: str,
                       beta: float) -> torch.Tensor:
-    """Per-row divergence [...] summed over the present buckets of [..., B]."""
+    """Per-row divergence [...] summed over the present buckets of [..., B] (lean in temporaries: the dense
+    reference calls it on [T, V] grids). ``log_p`` carries no gradient and is -inf on absent buckets."""
     zero = log_q.new_zeros(())
+    if divergence == "forward_kl":                             # sum P log P - sum P log Q, 0 log 0 = 0
+        p = log_p.exp()
+        return torch.xlogy(p, p).sum(-1) - (p * torch.where(present, log_q, zero)).sum(-1)
     log_p = torch.where(present, log_p, zero)
     log_q = torch.where(present, log_q, zero)
     p, q = log_p.exp(), log_q.exp()
     has_p, has_q = present & (p > 0), present & (q > 0)
-    if divergence == "forward_kl":
-        terms = torch.where(has_p, p * (log_p - log_q), zero)
-    elif divergence == "reverse_kl":
+    if divergence == "reverse_kl":
         terms = torch.where(has_q, q * (log_q - log_p), zero)
     elif divergence == "jsd":
         log_m = _log_mixture(log_p, log_q, beta)

@@ -1,0 +1,66 @@
+"""Tensor parallelism over gloo: TP=2 and TP=4 equal the single-process float64 result, for every formulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.loss_cases import make_case, rel_err, run_loss
+
+REAL_VOCAB, PADDED_VOCAB = 45, 48                  # megatron pads the vocab to a multiple of tp (x 128 in practice)
+
+CONFIGS = [
+    dict(impl="fused", mode="recompute", tail="ghost", divergence="forward_kl"),
+    dict(impl="fused", mode="grad_in_forward", tail="ghost", divergence="jsd", temperature=2.0, alpha=0.4,
+         with_labels=True),
+    dict(impl="fused", mode="recompute", tail="none", divergence="forward_kl", temperature=0.7, alpha=0.6,
+         with_labels=True),
+    dict(impl="fused", mode="grad_in_forward", tail="renorm", divergence="reverse_kl", alpha=0.5, with_labels=True),
+    dict(impl="fused", tail="renorm", divergence="jsd", temperature=1.5),                 # the K-rows fast path
+    dict(impl="fused", mode="recompute", tail="ghost", divergence="reverse_kl", temperature=1.3),
+    dict(impl="forward_chunked", tail="ghost", divergence="forward_kl", alpha=0.7, with_labels=True),
+    dict(impl="dense", tail="ghost", divergence="jsd", temperature=2.0),
+]
+
+
+def _tp_case(k):
+    case = make_case(s=4, b=6, hidden_size=13, vocab=PADDED_VOCAB, teacher_vocab=REAL_VOCAB, k=k, seed=3)
+    case["teacher_ids"][0, :, 0] = PADDED_VOCAB - 2            # an id in the padded vocab, with a little mass
+    case["teacher_logprobs"][0, :, 0] = -9.0
+    return case
+
+
+def _tp_body(k: int):
+    """On each rank: every config at TP=size (plain and sequence-parallel) against the same config and the dense
+    reference at TP=1 on the full weight. Returns the worst relative errors."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    case = _tp_case(k)
+    shard = PADDED_VOCAB // size
+    rows, seq = slice(rank * shard, (rank + 1) * shard), slice(rank * 4 // size, (rank + 1) * 4 // size)
+    errors = {}
+    for i, config in enumerate(CONFIGS):
+        chunk = dict(chunk_bytes=5 * shard * 8 * 2)             # chunks of ~5 tokens: T = 24 not divisible
+        ref, ref_dh, ref_dw = run_loss(case, **dict(config, impl="dense"))
+        single, single_dh, single_dw = run_loss(case, **config, **chunk)
+        got, dh, dw = run_loss(case, weight=case["weight"][rows], tp_group=group, **config, **chunk)
+        sp, sp_dh, sp_dw = run_loss(case, hidden=case["hidden"][seq], weight=case["weight"][rows], tp_group=group,
+                                    sequence_parallel=True, **config, **chunk)
+        errors[i] = max(rel_err(single.loss_sum, ref.loss_sum), rel_err(single_dh, ref_dh),
+                        rel_err(single_dw, ref_dw),
+                        rel_err(got.loss_sum, single.loss_sum), rel_err(dh, single_dh),
+                        rel_err(dw, single_dw[rows]), rel_err(got.kd_sum, single.kd_sum),
+                        rel_err(got.ce_sum, single.ce_sum) if config.get("with_labels") else 0.0,
+                        rel_err(sp.loss_sum, single.loss_sum), rel_err(sp_dh, single_dh[seq]),
+                        rel_err(sp_dw, single_dw[rows]))
+    return errors
+
+
+@pytest.mark.parametrize("tp,k", [(2, 9), (4, 14)])            # K=14 > V/tp=12 at TP=4
+def test_tensor_parallel_equals_single_process(tp, k):
+    for rank, errors in enumerate(run_on_ranks(tp, _tp_body, k)):
+        bad = {CONFIGS[i]["impl"] + str(i): e for i, e in errors.items() if not e < 1e-9}
+        assert not bad, f"rank {rank}: {bad}"
