@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 import torch
 
 from megatron_kd_plugin.loss import topk_kd_loss
@@ -54,3 +56,12 @@ def run_loss(case, *, hidden=None, weight=None, **options):
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref| (one number per tensor, robust to tiny entries)."""
     return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300))
+
+
+@pytest.fixture(autouse=False)
+def one_thread():
+    """The loss tests run many tiny ops: one intra-op thread avoids OpenMP spin-waits on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

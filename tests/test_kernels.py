@@ -45,11 +45,15 @@ def _case(c, Vp, J, magnitude, dtype, seed=0):
     return logits.to(DEVICE), ids.to(DEVICE), dense_coef.to(DEVICE), sparse_coef.to(DEVICE)
 
 
-def _truth_stats(logits, ids, scale):
+def _truth_stats(logits, ids, scale, exclude=None):
     u = logits.double() * scale  # [c, Vp]
     row_max = u.amax(-1)
     gathered = torch.where(ids >= 0, u.gather(1, ids.clamp(min=0)), 0.0)
-    return row_max, (u - row_max[:, None]).exp().sum(-1), gathered
+    e = (u - row_max[:, None]).exp()
+    if exclude is not None:
+        for t, k in (exclude >= 0).nonzero().tolist():
+            e[t, exclude[t, k]] = 0.0
+    return row_max, e.sum(-1), gathered
 
 
 def _truth_grad(logits, lse, dense_coef, ids, sparse_coef, scale, ce_lse=None, ce_coef=None):
@@ -89,15 +93,18 @@ def test_row_stats_match_float64_truth(triton_kernels, shape, dtype):
     c, Vp, J, magnitude = shape
     logits, ids, _, _ = _case(c, Vp, J, magnitude, dtype)
     scale = 1 / 1.7
-    fast = chunk_row_stats(logits, ids, scale, kernels=triton_kernels)
-    ref = chunk_row_stats(logits, ids, scale, kernels="torch")
-    truth = _truth_stats(logits, ids, scale)
+    exclude = ids.flip(-1)[:, : max(J - 2, 0)]  # unsorted, with duplicates and -1s
+    near_end = (Vp - 1 - torch.arange(c, device=DEVICE)).clamp(min=-1)[:, None]  # one id per row, in the last tile
     rel = 2.0**-22 * _condition(logits, scale)
-    for name, f, r, t in zip(("row_max", "row_sumexp", "gathered"), fast, ref, truth):
-        assert f.dtype == torch.float32 and f.shape == t.shape, name
-        _assert_near_truth(f, r, t, rel=rel)
-    for name, f, r in zip(("row_max", "row_sumexp", "gathered"), fast, ref):  # Triton and PyTorch agree
-        torch.testing.assert_close(f, r, rtol=2e-6, atol=2e-6, msg=name)
+    for exclude_arg in (None, exclude, near_end):
+        fast = chunk_row_stats(logits, ids, scale, exclude=exclude_arg, kernels=triton_kernels)
+        ref = chunk_row_stats(logits, ids, scale, exclude=exclude_arg, kernels="torch")
+        truth = _truth_stats(logits, ids, scale, exclude_arg)
+        for name, f, r, t in zip(("row_max", "row_sumexp", "gathered"), fast, ref, truth):
+            assert f.dtype == torch.float32 and f.shape == t.shape, name
+            _assert_near_truth(f, r, t, rel=rel)
+        for name, f, r in zip(("row_max", "row_sumexp", "gathered"), fast, ref):  # Triton and PyTorch agree
+            torch.testing.assert_close(f, r, rtol=2e-6, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("with_ce", [False, True])
@@ -162,11 +169,9 @@ def _bucket_divergence(log_p, log_q, divergence, beta=0.3):
     return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
 
 
-def _student_buckets(log_q_ids, tail):
-    """Student log-masses of the buckets [c, K(+1)] from log q at the teacher ids [c, K]."""
-    if tail == "none":
-        return log_q_ids
-    return torch.cat([log_q_ids, torch.log1p(-log_q_ids.exp().sum(-1, keepdim=True))], -1)
+def _student_buckets(log_q_ids, log_q_tail, tail):
+    """Student log-masses of the buckets [c, K(+1)]: log q at the teacher ids [c, K] (and the tail's [c])."""
+    return log_q_ids if tail == "none" else torch.cat([log_q_ids, log_q_tail[:, None]], -1)
 
 
 def _teacher_buckets(teacher_logprobs, tail, tau):
@@ -181,8 +186,9 @@ def _teacher_buckets(teacher_logprobs, tail, tau):
 def _kd_loss(hidden, weight, teacher_ids, teacher_logprobs, labels, mask, tail, divergence, tau, alpha):
     """sum_t mask_t (alpha tau^2 KD_t + (1 - alpha) CE_t), dense float64 (the autograd truth)."""
     log_q = torch.log_softmax(hidden @ weight.t() / tau, -1)  # [c, V]
+    log_q_ids = log_q.gather(1, teacher_ids)
     kd = _bucket_divergence(_teacher_buckets(teacher_logprobs, tail, tau),
-                            _student_buckets(log_q.gather(1, teacher_ids), tail), divergence)
+                            _student_buckets(log_q_ids, torch.log1p(-log_q_ids.exp().sum(-1)), tail), divergence)
     ce = -torch.log_softmax(hidden @ weight.t(), -1).gather(1, labels[:, None])[:, 0]
     return (mask * (alpha * tau**2 * kd + (1 - alpha) * ce)).sum()
 
@@ -197,31 +203,35 @@ def _kernel_grads(hidden, weight, teacher_ids, teacher_logprobs, labels, mask, t
     ids = torch.cat([teacher_ids, labels[:, None]], -1)  # [c, K + 1]: teacher ids, then the label
     local = [torch.where((ids >= r * Vp) & (ids < (r + 1) * Vp), ids - r * Vp, -1) for r in range(tp)]
 
-    def global_lse_and_gathered(scale):
-        stats = [chunk_row_stats(z, i, scale, kernels=kernels) for z, i in zip(shards, local)]
+    def global_stats(scale, exclude):
+        """(M, SUM_r row_sumexp_r exp(row_max_r - M), gathered) after the all-reduces, float64."""
+        stats = [chunk_row_stats(z, i, scale, exclude=e, kernels=kernels) for z, i, e in zip(shards, local, exclude)]
         row_max = torch.stack([s[0] for s in stats]).amax(0)  # all-reduce MAX
         sumexp = sum(s[1] * (s[0] - row_max).exp() for s in stats)  # all-reduce SUM
-        return (row_max + sumexp.log()).double(), sum(s[2] for s in stats).double()  # [c], [c, K + 1]
+        return row_max.double(), sumexp.double(), sum(s[2] for s in stats).double()  # [c], [c], [c, K + 1]
 
-    lse, gathered = global_lse_and_gathered(1 / tau)
+    # the tail's sum E_tail directly (exclude = the teacher's ids), then the full sum and the LSE from it
+    row_max, tail_sum, gathered = global_stats(1 / tau, [i[:, :-1] for i in local])
+    support_exp = (gathered[:, :-1] - row_max[:, None]).exp()  # [c, K]
+    lse = row_max + (tail_sum + support_exp.sum(-1)).log()  # [c]
     log_q_ids = gathered[:, :-1] - lse[:, None]  # [c, K]
-    log_q_buckets = _student_buckets(log_q_ids, tail).requires_grad_()  # [c, K(+1)]
+    log_q_tail = tail_sum.log() + row_max - lse  # [c] log Q_tail, no 1 - s
+    log_q_buckets = _student_buckets(log_q_ids, log_q_tail, tail).requires_grad_()  # [c, K(+1)]
     kd = _bucket_divergence(_teacher_buckets(teacher_logprobs, tail, tau), log_q_buckets, divergence)
     (g,) = torch.autograd.grad(kd.sum(), log_q_buckets)  # df/dlog Q_b
     g_ids, g_tail = (g, torch.zeros(c, dtype=g.dtype)) if tail == "none" else (g[:, :-1], g[:, -1])
     weight_kd = alpha * tau**2 * mask  # [c]
-    q_ids = log_q_ids.exp()  # [c, K]
-    s = q_ids.sum(-1)
-    dense = -g_ids.sum(-1) + g_tail * s / (1 - s)  # [c]
-    sparse = g_ids - (g_tail / (1 - s))[:, None] * q_ids  # [c, K]
+    q_ids, q_tail = log_q_ids.exp(), log_q_tail.exp()  # [c, K], [c]
+    dense = -g_ids.sum(-1) - g_tail + g_tail / q_tail  # [c]
+    sparse = g_ids - (g_tail / q_tail)[:, None] * q_ids  # [c, K]
     dense, sparse = weight_kd * dense, weight_kd[:, None] * sparse
     ce = {}
     label_coef = -(1 - alpha) * mask  # [c]: the one-hot part of dCE/dlogits
     if tau == 1.0:  # CE shares the KD softmax: fold it in
         dense = dense + (1 - alpha) * mask
     elif alpha < 1:
-        ce_lse, _ = global_lse_and_gathered(1.0)
-        ce = dict(ce_lse=ce_lse.float(), ce_coef=((1 - alpha) * mask).float())
+        ce_max, ce_sumexp, _ = global_stats(1.0, [None] * tp)
+        ce = dict(ce_lse=(ce_max + ce_sumexp.log()).float(), ce_coef=((1 - alpha) * mask).float())
     sparse = torch.cat([sparse, (label_coef * tau)[:, None]], -1)  # sparse is multiplied by scale = 1 / tau
     grads = [chunk_logit_grad_(z, lse.float(), dense.float(), i, sparse.float(), 1 / tau, **ce, kernels=kernels)
              for z, i in zip(shards, local)]  # G_r [c, Vp], in place

@@ -9,7 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_kd_plugin.loss import topk_kd_loss
-from tests.loss_cases import COMBOS, make_case, rel_err, run_loss
+from tests.loss_cases import COMBOS, make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAST = [dict(impl="fused", mode="recompute"), dict(impl="fused", mode="grad_in_forward"),
         dict(impl="forward_chunked")]

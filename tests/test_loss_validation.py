@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megatron_kd_plugin.loss import KDLossOptions, topk_kd_loss
-from tests.loss_cases import make_case
+from tests.loss_cases import make_case, one_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(case, **options):
