@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (c, Vp, J, logit magnitude): odd sizes crossing the interpreter's 32-column tiles, 48-column splits and 32-id
 # blocks; J = 0, J = Vp and J > Vp (duplicates); large logits for the online max.
-SHAPES = [(3, 123, 1, 3.0), (37, 123, 123, 3.0), (5, 257, 40, 30.0), (4, 64, 150, 3.0), (2, 200, 0, 3.0)]
+SHAPES = [(3, 123, 1, 3.0), (37, 123, 7, 3.0), (7, 123, 123, 3.0), (5, 257, 40, 30.0), (4, 64, 150, 3.0), (2, 200, 0, 3.0)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -49,13 +49,14 @@ def use_triton(logits: torch.Tensor, kernels: str = "auto") -> bool:
     return runnable
 
 
-def _check(logits: torch.Tensor, ids: torch.Tensor) -> None:
+def _check(logits: torch.Tensor, ids: torch.Tensor, name: str = "ids") -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits: expected a 2-D float tensor [c, Vp], got {tuple(logits.shape)} {logits.dtype}")
     if logits.stride(-1) != 1:
         raise ValueError(f"logits: expected a contiguous last dimension, got strides {logits.stride()}")
     if ids.dim() != 2 or ids.shape[0] != logits.shape[0] or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids: expected int32/int64 [c={logits.shape[0]}, J], got {tuple(ids.shape)} {ids.dtype}")
+        raise ValueError(f"{name}: expected int32/int64 [c={logits.shape[0]}, ...], got {tuple(ids.shape)} "
+                         f"{ids.dtype}")
 
 
 def _per_token(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,17 +65,22 @@ def _per_token(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.
     return value.float().contiguous()
 
 
-def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor, scale: float, *,
+def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor, scale: float, *, exclude: torch.Tensor | None = None,
                     kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_max [c], row_sumexp [c], gathered [c, J]) of u = scale * logits, fp32 (math: ``reference``).
 
-    Shape: logits [c, Vp] (this rank's vocab shard, any float dtype), ids [c, J] local columns, -1 = not here.
+    Shape: logits [c, Vp] (this rank's vocab shard, any float dtype), ids [c, J] local columns, -1 = not here;
+    exclude [c, E] local columns left out of row_sumexp, -1 = none, any order.
     """
     _check(logits, ids)
+    if exclude is not None:
+        _check(logits, exclude, "exclude")
     if use_triton(logits, kernels):
         from megatron_kd_plugin.kernels import triton_kernels
-        return triton_kernels.chunk_row_stats(logits, ids.contiguous(), scale)
-    return reference.chunk_row_stats(logits, ids, scale)
+        if exclude is not None:
+            exclude = exclude.sort(dim=-1).values.contiguous()  # the kernel finds a tile's ids by counting
+        return triton_kernels.chunk_row_stats(logits, ids.contiguous(), scale, exclude)
+    return reference.chunk_row_stats(logits, ids, scale, exclude=exclude)
 
 
 def chunk_logit_grad_(logits: torch.Tensor, lse: torch.Tensor, dense_coef: torch.Tensor, ids: torch.Tensor,

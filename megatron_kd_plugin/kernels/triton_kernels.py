@@ -4,6 +4,8 @@ Memory traffic per chunk (the [c, Vp] logits dominate everything else):
   ``chunk_row_stats``   one read of the chunk: each program streams a span of one row in BLOCK_V tiles with an
                         online max / rescaled sum-exp (one exp per element), the split partials are merged by a few
                         [c, splits] torch ops; the program of split 0 also gathers the J ids (J scattered reads).
+                        With ``exclude`` (sorted), each tile counts which excluded ids fall inside it (E compares
+                        per tile) and zeroes only those columns (~E * BLOCK_V / Vp compares per element).
   ``chunk_logit_grad_`` one read + one write of the chunk, in three launches on the stream, no host sync:
                         (1) per token, the exact fp32 gradient at its J ids (dense term at the id + the sum of the
                         sparse coefficients of all equal ids) into a [c, J] buffer, read before anything is
@@ -29,10 +31,12 @@ import triton.language as tl
 from megatron_kd_plugin.kernels import interpreting
 
 
-def _row_stats(logits_ptr, ids_ptr, max_ptr, sumexp_ptr, gathered_ptr, Vp, J, span, n_splits, stride_logits,
-               stride_ids, scale, BLOCK_V: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Grid (c, n_splits): the online max / sum-exp of u over columns [split * span, (split + 1) * span) of one row;
-    split 0 also writes gathered[t, :]."""
+def _row_stats(logits_ptr, ids_ptr, exclude_ptr, max_ptr, sumexp_ptr, gathered_ptr, Vp, J, E, span, n_splits,
+               stride_logits, stride_ids, stride_exclude, scale, HAS_EXCLUDE: tl.constexpr, BLOCK_V: tl.constexpr,
+               BLOCK_J: tl.constexpr):
+    """Grid (c, n_splits): the online max / sum-exp of u over columns [split * span, (split + 1) * span) of one row
+    (the sum without the columns in the row's ascending ``exclude`` ids if HAS_EXCLUDE); split 0 also writes
+    gathered[t, :]."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_logits
@@ -44,7 +48,18 @@ def _row_stats(logits_ptr, ids_ptr, max_ptr, sumexp_ptr, gathered_ptr, Vp, J, sp
         cols = col0 + tl.arange(0, BLOCK_V)
         u = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * scale  # [BLOCK_V]
         new_max = tl.maximum(run_max, tl.max(u, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(u - new_max), axis=0)
+        e = tl.exp(u - new_max)
+        if HAS_EXCLUDE:  # the excluded ids inside this tile are exclude[lo:hi] (sorted): ~J * BLOCK_V / Vp of them
+            lo = 0
+            hi = 0
+            for e0 in range(0, E, BLOCK_J):
+                in_row = e0 + tl.arange(0, BLOCK_J) < E
+                ex = tl.load(exclude_ptr + row * stride_exclude + e0 + tl.arange(0, BLOCK_J), mask=in_row, other=0)
+                lo += tl.sum((in_row & (ex < col0)).to(tl.int32), axis=0)
+                hi += tl.sum((in_row & (ex < col0 + BLOCK_V)).to(tl.int32), axis=0)
+            for i in range(lo, hi):
+                e = tl.where(cols == tl.load(exclude_ptr + row * stride_exclude + i), 0.0, e)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(e, axis=0)
         run_max = new_max
     tl.store(max_ptr + row * n_splits + split, run_max)
     tl.store(sumexp_ptr + row * n_splits + split, run_sum)
@@ -139,19 +154,23 @@ def _split_span(c: int, Vp: int, min_span: int, target_programs: int) -> tuple[i
     return triton.cdiv(Vp, span), span
 
 
-def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton ``chunk_row_stats``; inputs already checked by the dispatcher (logits last dim contiguous)."""
+def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor, scale: float,
+                    exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton ``chunk_row_stats``; inputs already checked by the dispatcher (logits last dim contiguous, ``exclude``
+    sorted ascending per row)."""
     k = _kernels(interpreting())
     c, Vp = logits.shape
     J = ids.shape[1]
+    has_exclude = exclude is not None
+    exclude = exclude if has_exclude else ids  # an unread placeholder when not has_exclude
     n_splits, span = _split_span(c, Vp, k.min_span, k.target_programs)
     part_max = logits.new_empty((c, n_splits), dtype=torch.float32)  # [c, splits]
     part_sum = torch.empty_like(part_max)  # [c, splits]
     gathered = logits.new_empty((c, J), dtype=torch.float32)  # [c, J]
     if c > 0:
-        k.row_stats[(c, n_splits)](logits, ids, part_max, part_sum, gathered, Vp, J, span, n_splits,
-                                   logits.stride(0), ids.stride(0), float(scale), BLOCK_J=k.block_j, **k.fixed)
+        k.row_stats[(c, n_splits)](logits, ids, exclude, part_max, part_sum, gathered, Vp, J, exclude.shape[1], span,
+                                   n_splits, logits.stride(0), ids.stride(0), exclude.stride(0), float(scale),
+                                   HAS_EXCLUDE=has_exclude, BLOCK_J=k.block_j, **k.fixed)
     if n_splits == 1:
         return part_max[:, 0], part_sum[:, 0], gathered
     row_max = part_max.amax(dim=1)  # [c]
