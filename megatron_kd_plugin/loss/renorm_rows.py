@@ -1,11 +1,14 @@
 """The ``renorm`` fast path: only the K rows W[I] of each token are needed, never the vocab.
 
-Per chunk of c tokens: W_c = W[I_c] [c, K, H] (this shard's rows; other slots contribute 0), g = W_c x / tau [c, K]
-summed over the group, then ``token_terms`` gives d loss / d g [c, K], dX_c = sum_k dg_k W[I_k] and
-dW[I_k] += dg_k x. Cost T*K*H instead of T*V*H; gradients are formed in forward (they are as cheap as the loss).
+With D the sparse [T, V/tp] matrix holding each token's K slots (CSR, the canonical sorted ids as columns):
+g = (X W^T)[D's pattern] / tau (a sampled product, T*K*H), summed over the group, then ``token_terms`` gives
+d loss / d (X W^T) at the slots, and dX = D W, dW = D^T X are sparse-dense products. Cost T*K*H instead of
+T*V*H, memory O(T*K) beside dX and dW (no chunking needed); gradients are formed in forward.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -14,35 +17,36 @@ from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
 
 
+def _slots(local_ids: torch.Tensor, values: torch.Tensor, vocab_local: int) -> torch.Tensor:
+    """CSR [T, V/tp] with the K slots of each token (ids are sorted per token, so rows are sorted)."""
+    num_tokens, k = local_ids.shape
+    crow = torch.arange(0, num_tokens * k + 1, k, device=local_ids.device)
+    with warnings.catch_warnings():                          # "sparse CSR support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1), values.reshape(-1), (num_tokens, vocab_local))
+
+
 class _RenormRowsKL(torch.autograd.Function):
     """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum = NaN)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
-        dtype, tau = plan.dtype, plan.options.temperature
-        num_tokens, k = batch.local_ids.shape
-        hidden_size = hidden.shape[-1]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        d_hidden = hidden.new_zeros(hidden.shape, dtype=dtype) if need_dx else None
-        d_weight = weight.new_zeros(weight.shape, dtype=dtype) if need_dw else None
-        totals = torch.zeros(3, dtype=dtype, device=hidden.device)
-        step = plan.chunk_tokens(2 * k * hidden_size * torch.finfo(dtype).bits // 8)
-        for start in range(0, num_tokens, step):
-            rows = slice(start, min(start + step, num_tokens))
-            ids, local = batch.local_ids[rows], batch.local_valid[rows]          # [c, K]
-            x = hidden[rows].to(dtype)                                           # [c, H]
-            rows_w = weight[ids].to(dtype)                                       # [c, K, H]
-            g = torch.bmm(rows_w, x[:, :, None]).squeeze(-1) / tau               # [c, K]
-            g = all_reduce_sum_(torch.where(local, g, g.new_zeros(())), plan.shard)
-            weight_t = batch.weight[rows]
-            terms = token_terms(TokenPartials(support_logits=g), batch.teacher.rows(rows), weight_t, plan.options)
-            totals += torch.stack([(weight_t * terms.kd).sum(), weight_t.new_zeros(()),
-                                   weight_t.new_tensor(torch.nan)])
-            d_r = torch.where(local, terms.support_grad, g.new_zeros(()))       # [c, K] d loss / d (W x)
-            if d_hidden is not None:
-                d_hidden[rows] = torch.bmm(d_r[:, None, :], rows_w).squeeze(1)
-            if d_weight is not None:
-                d_weight.index_add_(0, ids.reshape(-1), (d_r[:, :, None] * x[:, None, :]).reshape(-1, hidden_size))
+        dtype = plan.dtype
+        x, w = hidden.to(dtype), weight.to(dtype)                            # [T, H], [V/tp, H]
+        vocab_local = w.shape[0]
+        local = batch.local_valid                                            # [T, K]
+        pattern = _slots(batch.local_ids, torch.zeros(local.shape, dtype=dtype, device=x.device), vocab_local)
+        g = torch.sparse.sampled_addmm(pattern, x, w.t()).values().view(local.shape) / plan.options.temperature
+        g = all_reduce_sum_(torch.where(local, g, g.new_zeros(())), plan.shard)   # [T, K]
+        terms = token_terms(TokenPartials(support_logits=g), batch.teacher, batch.weight, plan.options)
+        d_slots = _slots(batch.local_ids, torch.where(local, terms.support_grad, g.new_zeros(())), vocab_local)
+        d_hidden = torch.sparse.mm(d_slots, w) if ctx.needs_input_grad[0] else None     # [T, H]
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                d_weight = torch.sparse.mm(d_slots.t().to_sparse_csr(), x)          # [V/tp, H]
+        totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
         loss_sum, kd_sum, ce_sum, mass_sum = loss_totals(plan, totals)
         ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum)
