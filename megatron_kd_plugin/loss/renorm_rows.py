@@ -35,6 +35,9 @@ class _RenormRowsKL(torch.autograd.Function):
         x, w = hidden.to(dtype), weight.to(dtype)                            # [T, H], [V/tp, H]
         vocab_local = w.shape[0]
         local = batch.local_valid                                            # [T, K]
+        if local.shape[1] > vocab_local:          # a CSR row may not hold more entries than columns: pad W (tiny)
+            w = torch.cat([w, w.new_zeros(local.shape[1] - vocab_local, w.shape[1])])
+            vocab_local = w.shape[0]
         pattern = _slots(batch.local_ids, torch.zeros(local.shape, dtype=dtype, device=x.device), vocab_local)
         g = torch.sparse.sampled_addmm(pattern, x, w.t()).values().view(local.shape) / plan.options.temperature
         g = all_reduce_sum_(torch.where(local, g, g.new_zeros(())), plan.shard)   # [T, K]
@@ -45,7 +48,7 @@ class _RenormRowsKL(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                d_weight = torch.sparse.mm(d_slots.t().to_sparse_csr(), x)          # [V/tp, H]
+                d_weight = torch.sparse.mm(d_slots.t().to_sparse_csr(), x)[:weight.shape[0]]   # [V/tp, H]
         totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
         loss_sum, kd_sum, ce_sum, mass_sum = loss_totals(plan, totals)
