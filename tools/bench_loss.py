@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=None, help="fused chunk budget (default: the loss's)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     parser.add_argument("--sweep", default="4096,8192", help="extra T values for the memory-vs-T table ('' = none)")
-    parser.add_argument("--sweep-variants", default="dense,megatron_peer,forward_chunked,fused_recompute,"
+    parser.add_argument("--sweep-variants", default="megatron_peer,forward_chunked,fused_recompute,"
                                                     "fused_grad_in_forward")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
