@@ -22,6 +22,7 @@ compiled ones are autotuned over a few BLOCK_V keyed by Vp.
 from __future__ import annotations
 
 import functools
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -121,16 +122,19 @@ def _scatter_at_ids(logits_ptr, ids_ptr, values_ptr, J, stride_logits, stride_id
     tl.store(logits_ptr + row * stride_logits + ids, values.to(logits_ptr.dtype.element_ty), mask=ids >= 0)
 
 
-_STATS_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=warps)
-                  for block in (2048, 4096, 8192) for warps in (8, 16)]
-_GRAD_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=warps)
-                 for block in (1024, 2048, 4096) for warps in (4, 8)]
+_STATS_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=warps) for block, warps in ((2048, 8), (4096, 8),
+                                                                                          (8192, 16))]
+_GRAD_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=warps) for block, warps in ((1024, 4), (2048, 8),
+                                                                                         (4096, 8))]
+_LOOP_BOUNDS = ["Vp", "J", "E", "span", "n_splits"]  # not specialised: fewer compiled variants, same code
 
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     """The jitted kernels plus launch constants; autotuned when compiled, one small config when interpreted."""
-    jit = triton.jit
+    def jit(fn):
+        return triton.jit(fn, do_not_specialize=[a for a in _LOOP_BOUNDS if a in inspect.signature(fn).parameters])
+
     if interpret:  # small tiles and spans, so small test shapes cross tile, split and J-block edges
         return SimpleNamespace(row_stats=jit(_row_stats), dense_grad=jit(_dense_grad),
                                grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
