@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The prepared GPU check, for one H200 without network, in under 8 minutes:
+#   bash tools/gpu_check.sh [WHEEL_DIR]          (WHEEL_DIR default: tools/wheels)
+# 1. finds Python >= 3.12 ($KD_PYTHON, .venv, python3.12, python3) and checks for torch with CUDA, triton, numpy,
+#    pytest; whatever is missing is installed from WHEEL_DIR with `pip install --no-index` (into .venv, created
+#    over the system's packages, when that Python is not a venv). If WHEEL_DIR cannot provide it, it prints the
+#    wheels to put there and how to download them, and stops;
+# 2. runs the kernel tests on the GPU (compiled Triton kernels, no interpreter);
+# 3. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
+#    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor).
+# Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md (the tables).
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+wheels=${1:-$repo/tools/wheels}
+out=$repo/bench_results/gpu_check-$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+started=$(date +%s)
+needed=(torch triton numpy pytest)
+
+python_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+
+find_python() {
+  local candidate
+  for candidate in "${KD_PYTHON:-}" "$repo/.venv/bin/python" python3.12 python3; do
+    [ -n "$candidate" ] || continue
+    candidate=$(command -v "$candidate" 2>/dev/null) || continue
+    if python_ok "$candidate"; then echo "$candidate"; return 0; fi
+  done
+  return 1
+}
+
+missing_modules() {  # the names in $needed that $1 cannot import
+  "$1" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
+    "${needed[@]}"
+}
+
+if ! py=$(find_python); then
+  echo "error: no Python >= 3.12 found (set KD_PYTHON to one)"; exit 2
+fi
+missing=$(missing_modules "$py")
+if [ -n "$missing" ]; then
+  echo "== missing: $missing; installing from $wheels"
+  if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+    cat <<MSG
+error: $py lacks: $missing, and $wheels holds no wheels. On a machine with network and the same platform
+(Linux x86_64, Python $("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')), download them with their dependencies, e.g.
+    python3.12 -m pip download -d tools/wheels -c tools/constraints.txt $missing
+(torch pulls its nvidia-* CUDA wheels and triton), copy tools/wheels next to this script, and run it again.
+MSG
+    exit 3
+  fi
+  if [ "$("$py" -c 'import sys; print(sys.prefix == sys.base_prefix)')" = True ]; then
+    if [ -e "$repo/.venv" ]; then
+      echo "error: $py is not a venv and $repo/.venv exists: run with KD_PYTHON=$repo/.venv/bin/python"; exit 3
+    fi
+    "$py" -m venv --system-site-packages "$repo/.venv" && py=$repo/.venv/bin/python
+  fi
+  # shellcheck disable=SC2086  # $missing is a list of names
+  if ! "$py" -m pip install --no-index --find-links "$wheels" $missing; then
+    echo "error: pip could not install $missing from $wheels (see above for the wheel it lacks)"; exit 3
+  fi
+fi
+echo "== python: $py"
+"$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+"cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")' || exit 4
+"$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' || { echo "error: no CUDA device"; exit 4; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+unset TRITON_INTERPRET
+cd "$repo" || exit 5
+status=0
+echo "== kernel tests on the GPU ($(($(date +%s) - started)) s)"
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py || status=$?
+echo "== loss benchmark ($(($(date +%s) - started)) s)"
+timeout 330 "$py" tools/bench_loss_gpu.py --budget-s 270 --out "$out/loss_gpu.md" || status=$?
+echo "== done in $(($(date +%s) - started)) s, status $status; results in $out"
+exit "$status"
