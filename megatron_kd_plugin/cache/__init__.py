@@ -1,0 +1,11 @@
+"""The offline teacher top-K cache: a Zarr v3 store of each token's top-K teacher ids and log-probs.
+
+``format.py`` the store schema, ``topk.py`` vocab-parallel top-K extraction, ``sources.py`` token windows
+(Megatron indexed dataset or JSONL + tokenizer), ``writer.py`` the resumable (DP x TP) writer, ``reader.py``
+random access as torch tensors, ``inspect.py`` the ``python -m megatron_kd_plugin inspect`` command.
+"""
+
+from megatron_kd_plugin.cache.format import CacheSpec
+from megatron_kd_plugin.cache.reader import TopKCacheReader
+
+__all__ = ["CacheSpec", "TopKCacheReader"]

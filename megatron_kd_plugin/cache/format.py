@@ -1,0 +1,194 @@
+"""The teacher top-K cache: one Zarr v3 group, plain zarr (``zarr.open_group(path)`` shows it).
+
+Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``)::
+
+    tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle
+    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle
+    teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle
+    teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]
+    shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)
+
+Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` given ``tokens[i, :t+1]``:
+``teacher_logprobs[i, t, k] = log softmax(z / τ_c)[teacher_ids[i, t, k]]`` normalised over the teacher's FULL
+vocabulary at the cache temperature τ_c, so ``Σ_k exp(·) = m <= 1`` is the top-K mass;
+``teacher_logsumexp[i, t] = LSE(z / τ_c)``. Within a row the K ids are sorted ascending by id (not by rank) and
+the log-probs follow the same order: a sorted K-subset of the vocabulary delta-codes to ~130 B/token at K=100
+against ~200 for rank order (``tools/bench_cache.py``). Ids are int32: vocabularies up to 2^31.
+
+Group attributes: ``format`` (:data:`FORMAT_NAME`), ``version`` (:data:`FORMAT_VERSION`), every field of
+:class:`CacheSpec` (K, vocab size, seq_length, sample count, cache temperature, teacher and tokenizer identity,
+source-data fingerprint, log-prob codec, shard size), ``complete`` and ``progress``.
+
+Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
+arrays are written first, its ``shard_done`` element last (each chunk file is replaced atomically by zarr's
+LocalStore). A killed run restarted with the same settings redoes only the shards not marked done, and because
+the data of a shard depend only on that shard's samples, the result is byte-identical to an uninterrupted run.
+``complete`` turns true (one atomic rewrite of the group's ``zarr.json``) only after every shard is marked done;
+a reader refuses an incomplete store and names the missing samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+from zarr.codecs import numcodecs as numcodecs_zarr3
+
+FORMAT_NAME = "megatron_kd_plugin.topk_cache"
+FORMAT_VERSION = 1
+
+TOKENS, IDS, LOGPROBS, LOGSUMEXP, SHARD_DONE = (
+    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "shard_done")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogprobCodec:
+    """How the top-K log-probs are stored on disk."""
+
+    dtype: str
+    """numpy dtype of the stored values ("float16" or "float32"; zarr has no bfloat16)."""
+    keepbits: int | None = None
+    """Mantissa bits kept by a round-to-nearest bit-rounding filter (None: all); 7 is bfloat16's precision."""
+
+
+LOGPROB_CODECS = {
+    "fp32": LogprobCodec(dtype="float32"),
+    "fp16": LogprobCodec(dtype="float16"),
+    "fp16-bitround8": LogprobCodec(dtype="float16", keepbits=8),
+    "fp16-bitround7": LogprobCodec(dtype="float16", keepbits=7),
+}
+"""Named log-prob codecs; ``tools/bench_cache.py`` measures bytes/token and round-trip KL of each."""
+
+DEFAULT_LOGPROB_CODEC = "fp16-bitround8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """What a store holds; written as the group attributes and compared on resume and by readers."""
+
+    k: int
+    """Top-K ids per token."""
+    vocab_size: int
+    """The teacher's vocabulary size (ids are < vocab_size)."""
+    seq_length: int
+    """Tokens per sample S (each sample stores S+1 tokens and S rows of top-K)."""
+    num_samples: int
+    """Samples N in the store."""
+    temperature: float = 1.0
+    """Cache temperature τ_c the log-probs are normalised at."""
+    teacher: str = ""
+    """Teacher identity (checkpoint path and content hash)."""
+    tokenizer: str = ""
+    """Tokenizer identity (file name and content hash, or a name)."""
+    fingerprint: str = ""
+    """Content hash of the source token data and the windowing (seq_length, sample count)."""
+    logprob_codec: str = DEFAULT_LOGPROB_CODEC
+    """A key of :data:`LOGPROB_CODECS`."""
+    samples_per_shard: int = 16
+    """Samples per shard file, the unit one writer rank owns and the resume granularity."""
+    store_logsumexp: bool = False
+    """Also store the teacher's full-vocab logsumexp per token."""
+
+    def __post_init__(self):
+        for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k > self.vocab_size:
+            raise ValueError(f"k={self.k} exceeds vocab_size={self.vocab_size}")
+        if self.vocab_size > 2**31:
+            raise ValueError(f"vocab_size={self.vocab_size} does not fit int32 ids")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.logprob_codec not in LOGPROB_CODECS:
+            raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
+
+    @property
+    def logprob_dtype(self) -> str:
+        return LOGPROB_CODECS[self.logprob_codec].dtype
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_samples // self.samples_per_shard)
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """Samples [begin, end) of shard ``shard``."""
+        begin = shard * self.samples_per_shard
+        return begin, min(begin + self.samples_per_shard, self.num_samples)
+
+    def to_attrs(self) -> dict[str, Any]:
+        return dict(format=FORMAT_NAME, version=FORMAT_VERSION, **dataclasses.asdict(self))
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> "CacheSpec":
+        if attrs.get("format") != FORMAT_NAME:
+            raise ValueError(f"not a teacher top-K cache: format attribute {attrs.get('format')!r}, "
+                             f"expected {FORMAT_NAME!r}")
+        if attrs.get("version") != FORMAT_VERSION:
+            raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
+                             f"(this reader reads version {FORMAT_VERSION})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in attrs.items() if key in names})
+
+    def differences(self, other: "CacheSpec") -> dict[str, tuple[Any, Any]]:
+        """{field: (self's value, other's value)} for every field that differs."""
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {key: (mine[key], theirs[key]) for key in mine if mine[key] != theirs[key]}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _blosc(typesize: int, shuffle: str = "shuffle") -> BloscCodec:
+    return BloscCodec(cname="zstd", clevel=5, shuffle=shuffle, typesize=typesize)
+
+
+def create_store(path, spec: CacheSpec) -> zarr.Group:
+    """A new, empty store at ``path`` (which must not exist) with the arrays of ``spec``, marked incomplete."""
+    group = zarr.open_group(path, mode="w-", zarr_format=3)
+    n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
+    codec = LOGPROB_CODECS[spec.logprob_codec]
+    logprob_filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
+    group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
+                       compressors=_blosc(4), fill_value=0, dimension_names=("sample", "position"))
+    group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
+                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=_blosc(4, "bitshuffle"),
+                       fill_value=0, dimension_names=("sample", "position", "rank"))
+    group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
+                       filters=logprob_filters, compressors=_blosc(np.dtype(codec.dtype).itemsize),
+                       fill_value=0.0, dimension_names=("sample", "position", "rank"))
+    if spec.store_logsumexp:
+        group.create_array(LOGSUMEXP, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
+                           compressors=_blosc(4), fill_value=0.0, dimension_names=("sample", "position"))
+    group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=None,
+                       fill_value=0, dimension_names=("shard",))
+    group.attrs.update(spec.to_attrs() | dict(complete=False, progress=progress_attrs(0, spec)))
+    return group
+
+
+def progress_attrs(shards_done: int, spec: CacheSpec) -> dict[str, int]:
+    return dict(shards_done=shards_done, num_shards=spec.num_shards,
+                samples_done=min(shards_done * spec.samples_per_shard, spec.num_samples),
+                num_samples=spec.num_samples)
+
+
+def missing_samples(group: zarr.Group, spec: CacheSpec) -> list[tuple[int, int]]:
+    """Sample ranges [begin, end) whose shard is not marked done, merged."""
+    done = group[SHARD_DONE][:]
+    ranges: list[tuple[int, int]] = []
+    for shard in np.flatnonzero(done == 0):
+        begin, end = spec.shard_range(int(shard))
+        if ranges and ranges[-1][1] == begin:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((begin, end))
+    return ranges
+
+
+def describe_ranges(ranges: list[tuple[int, int]], limit: int = 5) -> str:
+    text = ", ".join(f"[{b}, {e})" for b, e in ranges[:limit])
+    return text + (f" and {len(ranges) - limit} more ranges" if len(ranges) > limit else "")

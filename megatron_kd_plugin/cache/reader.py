@@ -1,0 +1,102 @@
+"""Random access to a finished teacher top-K store (format: ``format.py``), as torch tensors.
+
+``reader[i]`` is sample i: ``tokens`` int64 ``[S+1]``, ``teacher_ids`` int64 ``[S, K]`` (sorted ascending per
+row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``.
+``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
+cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store,
+``validate`` checks the store against what the student expects; both raise ValueError saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import torch
+import zarr
+
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
+
+
+class TopKCacheReader:
+    """Reads a complete store; cheap to construct (it reads only metadata)."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        if not (self.path / "zarr.json").is_file():
+            raise ValueError(f"{self.path} is not a teacher top-K cache (no zarr.json)")
+        group = zarr.open_group(self.path, mode="r")
+        self.spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
+        if group.attrs.get("complete") is not True:
+            missing = fmt.missing_samples(group, self.spec)
+            raise ValueError(f"{self.path} is unfinished: samples {fmt.describe_ranges(missing)} of "
+                             f"{self.spec.num_samples} are not written; rerun the cache tool with the same command "
+                             "to complete it")
+        self.group = group
+        names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + ([fmt.LOGSUMEXP] if self.spec.store_logsumexp else [])
+        self._arrays = {name: group[name] for name in names}
+        self._chunk_readers = {name: open_chunk_reader(self.path / name, array)
+                               for name, array in self._arrays.items()}
+
+    def __len__(self) -> int:
+        return self.spec.num_samples
+
+    def validate(self, *, vocab_size: int | None = None, seq_length: int | None = None, k: int | None = None,
+                 fingerprint: str | None = None, tokenizer: str | None = None) -> None:
+        """ValueError unless the store fits a student with these settings (None: not checked).
+
+        vocab_size: the student's (padded) vocabulary; the teacher's must not be larger. seq_length: must
+        divide the cached one. k, fingerprint, tokenizer: must equal the store's.
+        """
+        spec = self.spec
+        if vocab_size is not None and spec.vocab_size > vocab_size:
+            raise ValueError(f"{self.path}: the teacher vocabulary ({spec.vocab_size} ids, tokenizer "
+                             f"{spec.tokenizer!r}) is larger than the student's vocab_size={vocab_size}")
+        if seq_length is not None and (seq_length < 1 or spec.seq_length % seq_length):
+            raise ValueError(f"{self.path}: student seq_length={seq_length} does not divide the cached "
+                             f"seq_length={spec.seq_length}")
+        for name, value in (("k", k), ("fingerprint", fingerprint), ("tokenizer", tokenizer)):
+            if value is not None and value != getattr(spec, name):
+                raise ValueError(f"{self.path}: {name}={value!r} requested, the store has {getattr(spec, name)!r}")
+
+    def _check_index(self, index: int, size: int) -> int:
+        index = int(index)
+        if not -size <= index < size:
+            raise IndexError(f"index {index} out of range for {size} entries")
+        return index % size
+
+    def sample_arrays(self, sample: int) -> dict[str, np.ndarray]:
+        """The stored arrays of ``sample`` as numpy, in their on-disk dtypes (one chunk each)."""
+        out = {}
+        for name, array in self._arrays.items():
+            chunk_reader = self._chunk_readers[name]
+            if chunk_reader is None:
+                out[name] = array[sample]
+            else:
+                out[name] = chunk_reader.read((sample,) + (0,) * (array.ndim - 1))[0]
+        return out
+
+    def _read(self, sample: int, begin: int, end: int) -> dict[str, torch.Tensor]:
+        """Rows [begin, end) of ``sample`` (tokens: begin..end inclusive) as torch tensors."""
+        arrays = self.sample_arrays(sample)
+        out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS][begin:end + 1].astype(np.int64)),
+               fmt.IDS: torch.from_numpy(arrays[fmt.IDS][begin:end].astype(np.int64)),
+               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32))}
+        if fmt.LOGSUMEXP in arrays:
+            out[fmt.LOGSUMEXP] = torch.from_numpy(arrays[fmt.LOGSUMEXP][begin:end].copy())
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self._check_index(index, len(self))
+        return self._read(sample, 0, self.spec.seq_length)
+
+    def num_windows(self, seq_length: int) -> int:
+        self.validate(seq_length=seq_length)
+        return len(self) * (self.spec.seq_length // seq_length)
+
+    def window(self, index: int, seq_length: int) -> dict[str, torch.Tensor]:
+        """Window ``index`` of ``seq_length`` tokens (+1) and its rows; sample-major order."""
+        per_sample = self.spec.seq_length // seq_length
+        sample, offset = divmod(self._check_index(index, self.num_windows(seq_length)), per_sample)
+        return self._read(sample, offset * seq_length, (offset + 1) * seq_length)

@@ -1,0 +1,138 @@
+"""Token sources for the cache writer: fixed windows of ``seq_length + 1`` tokens.
+
+The documents of a source are concatenated into one token stream (JSONL: each document followed by the
+tokenizer's end-of-text id when it has one) and cut like Megatron's GPTDataset: window i is
+``stream[i·S : i·S + S + 1]`` (consecutive windows share one token), so there are ``(len(stream) − 1) // S``.
+
+Two sources: a Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``, read through
+``megatron.core.datasets.indexed_dataset.IndexedDataset``) and JSONL text with a ``tokenizers`` tokenizer.json
+(or, when ``transformers`` is installed, any name/folder ``AutoTokenizer`` accepts). Each source has a content
+``fingerprint`` (SHA-256 of its files, the windowing and the sample count) that the store records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+
+
+def file_digest(paths, extra: str = "") -> str:
+    """SHA-256 over the contents of ``paths`` (in the given order) and ``extra``."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    digest.update(extra.encode())
+    return digest.hexdigest()
+
+
+class TokenWindows:
+    """``len(self)`` windows of ``seq_length + 1`` tokens over one token stream (see the module docstring)."""
+
+    def __init__(self, stream: np.ndarray, seq_length: int, *, num_samples: int | None, fingerprint: str,
+                 tokenizer: str, tokenizer_vocab_size: int | None):
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        available = max(0, (len(stream) - 1) // seq_length)
+        if num_samples is None:
+            num_samples = available
+        if num_samples < 1 or num_samples > available:
+            raise ValueError(f"num_samples={num_samples}: the data hold {len(stream)} tokens, i.e. {available} "
+                             f"windows of seq_length={seq_length} (+1)")
+        self.stream, self.seq_length, self.num_samples = stream, seq_length, num_samples
+        self.tokenizer, self.tokenizer_vocab_size = tokenizer, tokenizer_vocab_size
+        self.fingerprint = hashlib.sha256(f"{fingerprint}|S={seq_length}|N={num_samples}".encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def windows(self, begin: int, end: int) -> np.ndarray:
+        """int64 ``[end - begin, S + 1]``: windows begin..end-1."""
+        s = self.seq_length
+        starts = np.arange(begin, end, dtype=np.int64)[:, None] * s + np.arange(s + 1, dtype=np.int64)[None, :]
+        return self.stream[starts].astype(np.int64)
+
+    def max_token(self) -> int:
+        return int(self.stream[: self.num_samples * self.seq_length + 1].max())
+
+
+def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | None = None,
+                            tokenizer: str = "") -> TokenWindows:
+    """Windows over a Megatron indexed dataset ``prefix`` (``.bin``/``.idx``); ``tokenizer``: its identity."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    paths = [pathlib.Path(prefix + suffix) for suffix in (".idx", ".bin")]
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"indexed dataset file {path} does not exist (--data takes the PREFIX of "
+                             "PREFIX.bin/PREFIX.idx)")
+    index = IndexedDataset(prefix, multimodal=False, mmap=True).index
+    ends = index.sequence_pointers + index.sequence_lengths.astype(np.int64) * index.dtype_size
+    if len(ends) and (index.sequence_pointers[0] != 0 or np.any(index.sequence_pointers[1:] != ends[:-1])):
+        raise ValueError(f"{prefix}.bin does not store its documents back to back")
+    # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
+    stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(int(index.sequence_lengths.sum()),))
+    return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=file_digest(paths),
+                        tokenizer=tokenizer, tokenizer_vocab_size=None)
+
+
+def load_tokenizer(name: str):
+    """(encode: str -> list[int], end-of-text id or None, vocab size, identity) for a tokenizer.json or HF name."""
+    path = pathlib.Path(name)
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+                    if tok.token_to_id(t) is not None), None)
+        identity = f"{path.name}:sha256={file_digest([path])[:16]}"
+        return (lambda text: tok.encode(text).ids), eos, tok.get_vocab_size(), identity
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError(f"tokenizer {name!r} is not a file and transformers is not installed") from exc
+    tok = AutoTokenizer.from_pretrained(name)
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.eos_token_id, len(tok), name
+
+
+def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: int | None = None,
+                  text_key: str = "text") -> TokenWindows:
+    """Windows over the documents ``json[text_key]`` of the JSONL file ``path``, tokenized by ``tokenizer``."""
+    from tqdm import tqdm
+
+    encode, eos, vocab_size, identity = load_tokenizer(tokenizer)
+    ids: list[int] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(tqdm(f, desc="tokenizing", unit=" docs"), start=1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_key]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a JSON object with a {text_key!r} string ({exc})") from exc
+            ids.extend(encode(text))
+            if eos is not None:
+                ids.append(eos)
+    return TokenWindows(np.asarray(ids, dtype=np.int64), seq_length, num_samples=num_samples,
+                        fingerprint=file_digest([path], extra=identity), tokenizer=identity,
+                        tokenizer_vocab_size=vocab_size)
+
+
+def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num_samples: int | None = None,
+                text_key: str = "text") -> TokenWindows:
+    """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix."""
+    if data.endswith((".jsonl", ".json")):
+        if not tokenizer:
+            raise ValueError(f"JSONL data {data} needs --tokenizer (a tokenizer.json file or a HF name)")
+        return jsonl_windows(data, tokenizer, seq_length, num_samples=num_samples, text_key=text_key)
+    identity = ""
+    vocab_size = None
+    if tokenizer:
+        _, _, vocab_size, identity = load_tokenizer(tokenizer)
+    windows = indexed_dataset_windows(data, seq_length, num_samples=num_samples, tokenizer=identity)
+    windows.tokenizer_vocab_size = vocab_size
+    return windows

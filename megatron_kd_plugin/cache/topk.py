@@ -1,0 +1,111 @@
+"""Vocab-parallel top-K extraction of a teacher's next-token distribution.
+
+Math (per token, logits z ∈ R^V at the cache temperature τ_c, i.e. z = logits / τ_c)::
+
+    LSE(z)      = M + log Σ_v exp(z_v − M),          M = max_v z_v
+    ℓ_k         = z_{I_k} − LSE(z)                   (log-probs over the FULL vocab)
+    I           = the K ids with the largest z, ordered by (z desc, id asc)
+
+Under tensor parallelism rank r holds z[r·V_p : (r+1)·V_p] (``[s, b, V/tp]``). Rank r takes its
+local top-min(K, V_p) (same order), all ranks all-gather their ``tp·K`` candidates (values and
+global ids), and every rank takes the global top-K of the candidates; M is an all-reduce MAX of
+the local maxima and Σ exp(z − M) an all-reduce SUM of the local sums. The ``[s, b, V]`` grid is
+never gathered. Ties are broken by the lower global id, so the result equals the top-K of the
+gathered logits bit for bit, at any TP size.
+
+Shapes: logits ``[s, b, V/tp]`` (any leading shape works); outputs ``[s, b, K]`` and ``[s, b]``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class TeacherTopK(NamedTuple):
+    """One micro-batch of teacher top-K, identical on every TP rank.
+
+    ids: int64 ``[s, b, K]`` global vocab ids, ordered by (log-prob desc, id asc).
+    logprobs: float32 ``[s, b, K]`` log-probs normalised over the full vocab.
+    logsumexp: float32 ``[s, b]`` the full-vocab LSE of the tempered logits.
+    finite: bool ``[s, b]`` False where any of the token's logits (on any rank) is NaN/±inf.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    logsumexp: torch.Tensor
+    finite: torch.Tensor
+
+
+def _group_size(tp_group) -> int:
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+def topk_by_value_then_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` along the last dim ordered by (value desc, index asc); deterministic under ties.
+
+    ``torch.topk`` picks an arbitrary subset of tied values at the K-th place. Rows where the
+    K-th value is tied with an unselected element are redone with a stable full sort; other rows
+    only have their K selected entries stably re-sorted.
+    Shape: values ``[..., N]`` -> (values ``[..., k]``, indices int64 ``[..., k]``).
+    """
+    vals, idx = torch.topk(values, k, dim=-1, sorted=False)              # [..., k]
+    order = torch.argsort(idx, dim=-1)                                   # index asc ...
+    vals, idx = vals.gather(-1, order), idx.gather(-1, order)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ... then value desc
+    vals, idx = vals.gather(-1, order), idx.gather(-1, order)
+    kth = vals[..., -1:]                                                 # [..., 1]
+    ambiguous = (values == kth).sum(-1) != (vals == kth).sum(-1)         # [...]
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero(as_tuple=True)
+        full = torch.sort(values[rows], dim=-1, descending=True, stable=True)
+        vals[rows], idx[rows] = full.values[..., :k], full.indices[..., :k]
+    return vals, idx
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
+                        tp_group=None) -> TeacherTopK:
+    """Top-K ids, full-vocab log-probs and LSE from vocab-parallel logits ``[s, b, V/tp]``.
+
+    ``temperature`` is the cache temperature τ_c (logits are divided by it in float32). With
+    ``tp_group`` None or of size 1 no communication happens. See the module docstring.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    tp = _group_size(tp_group)
+    vocab_local = logits.shape[-1]
+    if k > vocab_local * tp:
+        raise ValueError(f"k={k} exceeds the vocabulary size {vocab_local * tp}")
+    z = logits.float() / temperature if temperature != 1.0 else logits.float()  # [s, b, V/tp]
+    finite = torch.isfinite(z).all(dim=-1)                                       # [s, b]
+    z = torch.where(finite.unsqueeze(-1), z, torch.zeros((), dtype=z.dtype))     # keep math finite
+    vals, idx = topk_by_value_then_id(z, min(k, vocab_local))                    # [s, b, k_loc]
+    local_max = z.amax(dim=-1)                                                   # [s, b]
+    rank = 0 if tp == 1 else dist.get_rank(tp_group)
+    idx = idx + rank * vocab_local                                               # global ids
+    if tp > 1:
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        flags = finite.to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=tp_group)
+        finite = flags.bool()
+        sum_exp = torch.exp(z - global_max.unsqueeze(-1)).sum(dim=-1)             # [s, b]
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+        vals_all = [torch.empty_like(vals) for _ in range(tp)]
+        idx_all = [torch.empty_like(idx) for _ in range(tp)]
+        dist.all_gather(vals_all, vals.contiguous(), group=tp_group)
+        dist.all_gather(idx_all, idx.contiguous(), group=tp_group)
+        cand_vals = torch.cat(vals_all, dim=-1)                                  # [s, b, tp·k_loc]
+        cand_idx = torch.cat(idx_all, dim=-1)
+        # candidates are in rank order and each rank's block in (value desc, id asc) order, so a
+        # stable descending sort by value breaks ties by global id.
+        order = torch.sort(cand_vals, dim=-1, descending=True, stable=True).indices[..., :k]
+        vals, idx = cand_vals.gather(-1, order), cand_idx.gather(-1, order)      # [s, b, K]
+    else:
+        global_max = local_max
+        sum_exp = torch.exp(z - global_max.unsqueeze(-1)).sum(dim=-1)
+    lse = global_max + torch.log(sum_exp)                                        # [s, b]
+    return TeacherTopK(ids=idx, logprobs=vals - lse.unsqueeze(-1), logsumexp=lse, finite=finite)

@@ -1,0 +1,223 @@
+"""Writes a teacher top-K store (format: ``format.py``) from a token source and a teacher's logits.
+
+Parallelism: every rank of a tensor-parallel group runs the teacher on the same micro-batch and gets the same
+top-K (``topk.py``); only its TP rank 0 writes. Data-parallel groups own disjoint, contiguous ranges of whole
+shards, so no two writers touch one file. Global rank 0 alone creates the store and rewrites its attributes.
+
+Resume: a shard is processed from its samples alone, in micro-batches that never cross a shard, so a shard
+redone after a kill is bit-identical to the first attempt; a restart with the same settings skips the shards
+marked done. A store with other settings at the path is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import errno
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import zarr
+
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.topk import vocab_parallel_topk
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+"""tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
+
+
+@dataclass(kw_only=True)
+class WriteStats:
+    """What one rank did."""
+
+    shards_written: int = 0
+    """Shards this rank computed (and, on TP rank 0, wrote)."""
+    shards_skipped: int = 0
+    """Shards of this rank already marked done (resume)."""
+    tokens: int = 0
+    """Tokens this rank computed."""
+    forward_seconds: float = 0.0
+    """Wall time inside the teacher forward (``logits_fn``)."""
+    total_seconds: float = 0.0
+    """Wall time of the whole shard loop (forward, top-K, sort, compression, writes)."""
+
+    @property
+    def overhead(self) -> float:
+        """Total time over plain forward time (1.0 = no overhead)."""
+        return self.total_seconds / self.forward_seconds if self.forward_seconds else float("nan")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def _on_rank0(fn, *args):
+    """Runs ``fn`` on global rank 0 and re-raises its error (as ValueError/OSError text) on every rank."""
+    rank, world = _world()
+    outcome = [None]
+    if rank == 0:
+        try:
+            fn(*args)
+        except (ValueError, OSError) as exc:
+            outcome = [f"{type(exc).__name__}: {exc}"]
+            if world == 1:
+                raise
+    if world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise (OSError if outcome[0].startswith("OSError") else ValueError)(outcome[0].split(": ", 1)[1])
+
+
+def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> None:
+    """Creates the store, or keeps an existing one with exactly ``spec`` (resume); other settings need overwrite."""
+    if output.exists():
+        try:
+            existing = fmt.CacheSpec.from_attrs(dict(zarr.open_group(output, mode="r").attrs))
+            differences = spec.differences(existing)
+        except Exception as exc:  # noqa: BLE001  (not a store of ours, whatever the reason)
+            existing, differences = None, {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
+        if not differences:
+            return
+        if not overwrite:
+            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
+            raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
+                             "--overwrite to replace it, or choose another --output")
+        shutil.rmtree(output) if output.is_dir() else output.unlink()
+    fmt.create_store(output, spec)
+
+
+def check_vocab(source: TokenWindows, vocab_size: int) -> None:
+    """The data's tokenizer and token ids must fit the teacher's vocabulary."""
+    if source.tokenizer_vocab_size is not None and source.tokenizer_vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {source.tokenizer!r} has {source.tokenizer_vocab_size} ids but the teacher's "
+                         f"vocabulary has {vocab_size}: data and teacher do not match")
+    top = source.max_token()
+    if top >= vocab_size:
+        raise ValueError(f"the data contain token id {top} >= the teacher's vocab_size {vocab_size}: data "
+                         "tokenized for another vocabulary?")
+
+
+def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec, *, first_sample: int,
+                  micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
+    """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row)."""
+    ids_out, logprobs_out, lse_out = [], [], []
+    tokens = torch.from_numpy(windows)
+    for start in range(0, len(windows), micro_batch_size):
+        batch = tokens[start:start + micro_batch_size, :-1]                     # [b, s]
+        begin = time.perf_counter()
+        with torch.no_grad():
+            logits = logits_fn(batch)                                            # [s, b, V/tp]
+        stats.forward_seconds += time.perf_counter() - begin
+        top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
+        if not bool(top.finite.all()):
+            position, row = (~top.finite).nonzero()[0].tolist()
+            raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
+                             f", position {position} (predicting token {position + 1} of the window)")
+        ids = top.ids.transpose(0, 1)                                            # [b, s, K]
+        order = torch.argsort(ids, dim=-1)
+        ids_out.append(ids.gather(-1, order).to(torch.int32))
+        logprobs_out.append(top.logprobs.transpose(0, 1).gather(-1, order))
+        lse_out.append(top.logsumexp.transpose(0, 1))                            # [b, s]
+        stats.tokens += batch.numel()
+    arrays = {fmt.TOKENS: windows.astype(np.int32), fmt.IDS: torch.cat(ids_out).numpy(),
+              fmt.LOGPROBS: torch.cat(logprobs_out).numpy().astype(spec.logprob_dtype)}
+    if spec.store_logsumexp:
+        arrays[fmt.LOGSUMEXP] = torch.cat(lse_out).numpy()
+    return arrays
+
+
+def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
+    """Data first, the done marker last; a full disk leaves the shard unmarked and says so."""
+    begin, end = spec.shard_range(shard)
+    try:
+        for name, values in arrays.items():
+            group[name][begin:end] = values
+        group[fmt.SHARD_DONE][shard] = 1
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"disk full while writing shard {shard} (samples [{begin}, {end})) of "
+                          f"{group.store}; the store stays incomplete (readers refuse it): free space and rerun "
+                          "the same command to resume") from exc
+        raise
+
+
+def owned_shards(num_shards: int, dp_rank: int, dp_size: int) -> range:
+    """The contiguous block of shards data-parallel rank ``dp_rank`` owns."""
+    per, extra = divmod(num_shards, dp_size)
+    begin = dp_rank * per + min(dp_rank, extra)
+    return range(begin, begin + per + (dp_rank < extra))
+
+
+def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
+    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is done."""
+    group = zarr.open_group(output, mode="r+")
+    missing = fmt.missing_samples(group, spec)
+    if missing:
+        raise ValueError(f"cannot finish {output}: samples {fmt.describe_ranges(missing)} are not written")
+    group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
+
+
+def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
+                temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
+                samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
+                overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                progress: bool = True) -> WriteStats:
+    """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
+
+    ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
+    TP). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and
+    position), on data that do not fit the vocabulary, and on a store with other settings at ``output``.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    output = pathlib.Path(output)
+    spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
+                         temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
+                         fingerprint=source.fingerprint, logprob_codec=logprob_codec,
+                         samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp)
+    check_vocab(source, vocab_size)
+    _on_rank0(prepare_store, output, spec, overwrite)
+    _barrier()
+    group = zarr.open_group(output, mode="r+")
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    writes = tp_rank == 0
+    stats = WriteStats()
+    shards = owned_shards(spec.num_shards, dp_rank, dp_size)
+    done = group[fmt.SHARD_DONE][:]
+    todo = [shard for shard in shards if not done[shard]]
+    stats.shards_skipped = len(shards) - len(todo)
+    show = progress and _world()[0] == 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(np.subtract(*spec.shard_range(s)[::-1]) for s in todo) * spec.seq_length,
+               unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
+    loop_start = time.perf_counter()
+    for shard in todo:
+        begin, end = spec.shard_range(shard)
+        arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
+                               micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
+        if writes:
+            write_shard(group, spec, shard, arrays)
+        stats.shards_written += 1
+        bar.update((end - begin) * spec.seq_length)
+        if _world()[0] == 0:
+            shards_done = int(group[fmt.SHARD_DONE][:].sum())
+            group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
+    stats.total_seconds = time.perf_counter() - loop_start
+    bar.close()
+    _barrier()
+    _on_rank0(finish, output, spec)
+    _barrier()
+    return stats
