@@ -55,7 +55,7 @@ def run_loss(case, *, hidden=None, weight=None, **options):
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref| (one number per tensor, robust to tiny entries)."""
-    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300))
+    return float((got.detach().double() - ref.detach().double()).abs().max() / ref.detach().double().abs().max().clamp_min(1e-300))
 
 
 @pytest.fixture(autouse=False)
