@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_kd_plugin.loss import topk_kd_loss
 from tests.loss_cases import COMBOS, make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +65,7 @@ class _MaxNumel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in (out if isinstance(out, tuple | list) else (out,)):
             if isinstance(t, torch.Tensor):                      # sparse: its stored entries
                 self.largest = max(self.largest, t.numel() if t.layout == torch.strided else t._nnz())
         return out
@@ -119,9 +118,9 @@ def test_ghost_matches_megatron_core_peer():
 def _explicit_loss(z, ids, logprobs, tail, divergence, tau, beta):
     """One token from the definitions (DESIGN.md section 1), with explicit bucket distributions."""
     p = {}
-    for i, l in zip(ids.tolist(), logprobs.tolist()):
-        if l > -math.inf:
-            p[i] = p.get(i, 0.0) + math.exp(l)
+    for i, logprob in zip(ids.tolist(), logprobs.tolist(), strict=True):
+        if logprob > -math.inf:
+            p[i] = p.get(i, 0.0) + math.exp(logprob)
     support = sorted(p)
     q = torch.softmax(z / tau, -1)
     p_s = torch.tensor([p[i] for i in support], dtype=torch.float64)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.distributed import run_on_ranks
 from tests.loss_cases import make_case, rel_err, run_loss

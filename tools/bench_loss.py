@@ -74,7 +74,6 @@ def _floor(hidden, weight, chunk, recompute):
 
 
 def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, loss_mask):
-    import torch
 
     from megatron_kd_plugin.loss import topk_kd_loss
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES

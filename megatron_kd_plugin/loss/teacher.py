@@ -21,7 +21,7 @@ class TeacherBuckets(NamedTuple):
     tail_present: torch.Tensor  # [T] bool: ghost and the vocab has ids outside the support
     mass: torch.Tensor          # [T] untempered top-K mass m = sum_k exp(l_k)
 
-    def rows(self, rows: slice) -> "TeacherBuckets":
+    def rows(self, rows: slice) -> TeacherBuckets:
         """The buckets of tokens ``rows``."""
         return TeacherBuckets(*(t[rows] for t in self))
 

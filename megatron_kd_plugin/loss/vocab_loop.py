@@ -7,7 +7,8 @@ one SUM all-reduce of [E_tail, g (K), r_y, S1] -> ``token_terms`` -> optionally 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
