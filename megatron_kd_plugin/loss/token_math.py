@@ -78,14 +78,13 @@ def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.
     else:
         student_mass = torch.full_like(weight, torch.nan)
 
+    log_p, present = teacher.log_p, valid
     if options.tail == "renorm":
         log_q = torch.where(valid, g, -torch.inf)
         log_q = torch.where(valid.any(-1, keepdim=True), log_q, zero).log_softmax(-1)   # [c, K] log Q_k
-        log_p, present = teacher.log_p, valid
         counts = counts & valid.any(-1)
     else:
         log_q = g - (partials.row_max + sum_exp.log())[:, None]              # g_k - L
-        log_p, present = teacher.log_p, valid
         if options.tail == "ghost":
             log_q_tail = partials.tail_sum.log() - sum_exp.log()
             log_p = torch.cat([log_p, teacher.log_p_tail[:, None]], -1)       # [c, K + 1]
