@@ -140,7 +140,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                                grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
                                fixed={"BLOCK_V": 32}, min_span=48, target_programs=1 << 30, block_j=32)
     return SimpleNamespace(
-        row_stats=triton.autotune(_STATS_CONFIGS, key=["Vp", "span"])(jit(_row_stats)),
+        row_stats=triton.autotune(_STATS_CONFIGS, key=["Vp"])(jit(_row_stats)),
         dense_grad=triton.autotune(_GRAD_CONFIGS, key=["Vp"], restore_value=["logits_ptr"])(jit(_dense_grad)),
         grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
         fixed={}, min_span=8192, target_programs=4 * _num_sms(), block_j=64)
