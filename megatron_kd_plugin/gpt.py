@@ -220,11 +220,20 @@ def save_gpt(model, spec: GPTSpec, path) -> None:
 
 
 def load_gpt(path, *, tp_size: int, params_dtype: torch.dtype = torch.float32):
-    """(model, spec) from a folder written by :func:`save_gpt`, at any TP size the spec allows."""
+    """(model, spec) from a folder written by :func:`save_gpt`, at any TP size the spec allows.
+
+    Seeds megatron's TP RNG tracker (``seed_model_parallel(0)``) if nobody has: its forward needs it.
+    """
     path = pathlib.Path(path)
     if not (path / SPEC_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ValueError(f"{path} is not a save_gpt checkpoint (needs {SPEC_FILE} and {WEIGHTS_FILE})")
     spec = GPTSpec.from_json((path / SPEC_FILE).read_text())
+    from megatron.core import tensor_parallel
+
+    from megatron_kd_plugin.cpu_compat import seed_model_parallel
+
+    if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        seed_model_parallel(0)   # megatron's forward forks the TP RNG tracker even with dropout 0
     model = build_gpt(spec, tp_size=tp_size, params_dtype=params_dtype)
     full = torch.load(path / WEIGHTS_FILE, map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())

@@ -138,15 +138,21 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
     return arrays
 
 
-def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
-    """Data first, the done marker last; a full disk leaves the shard unmarked and says so."""
+def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
+    """The shard's data first, its done marker last."""
     begin, end = spec.shard_range(shard)
+    for name, values in arrays.items():
+        group[name][begin:end] = values
+    group[fmt.SHARD_DONE][shard] = 1
+
+
+def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
+    """:func:`store_shard`; a full disk leaves the shard unmarked and says what to do."""
     try:
-        for name, values in arrays.items():
-            group[name][begin:end] = values
-        group[fmt.SHARD_DONE][shard] = 1
+        store_shard(group, spec, shard, arrays)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
+            begin, end = spec.shard_range(shard)
             raise OSError(errno.ENOSPC, f"disk full while writing shard {shard} (samples [{begin}, {end})) of "
                           f"{group.store}; the store stays incomplete (readers refuse it): free space and rerun "
                           "the same command to resume") from exc
@@ -201,7 +207,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     show = progress and _world()[0] == 0
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(np.subtract(*spec.shard_range(s)[::-1]) for s in todo) * spec.seq_length,
+    bar = tqdm(total=sum(end - begin for begin, end in map(spec.shard_range, todo)) * spec.seq_length,
                unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
     loop_start = time.perf_counter()
     for shard in todo:

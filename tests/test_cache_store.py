@@ -1,0 +1,232 @@
+"""Writer + reader in one process with a table teacher: values, codecs, windows, validation, refusals, resume."""
+
+import errno
+import json
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.sources import TokenWindows, jsonl_windows
+from megatron_kd_plugin.cache.writer import write_cache
+
+V, S, K, N = 50, 12, 6, 11
+
+
+def table_teacher(vocab=V, seed=0):
+    """logits of token t = row t of a fixed table: deterministic whatever the batch; returns [s, b, V]."""
+    table = 4 * torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed))
+    return table, (lambda tokens: table[tokens].transpose(0, 1))
+
+
+def windows(n=N, seq=S, vocab=V, seed=1, **kwargs):
+    stream = np.random.default_rng(seed).integers(0, vocab, n * seq + 1)
+    return TokenWindows(stream, seq, num_samples=n, fingerprint="test-data", tokenizer="test-tok",
+                        tokenizer_vocab_size=kwargs.pop("tokenizer_vocab_size", vocab), **kwargs)
+
+
+def write(path, source=None, logits_fn=None, **kwargs):
+    source = source or windows()
+    logits_fn = logits_fn or table_teacher()[1]
+    options = dict(k=K, vocab_size=V, teacher="table", samples_per_shard=4, micro_batch_size=3, progress=False)
+    return write_cache(source, logits_fn, path, **(options | kwargs))
+
+
+def reference(table, tokens, temperature=1.0):
+    """float64 (ids sorted ascending, log-probs in that order) for each row of a window [S+1]."""
+    logprobs = torch.log_softmax(table.double()[tokens[:-1]] / temperature, dim=-1)         # [S, V]
+    top = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :K]
+    ids = top.sort(dim=-1).values
+    return ids, logprobs.gather(-1, ids)
+
+
+# round-to-nearest keeps the relative error of a stored value below 2^-(mantissa bits + 1); bit-rounding
+# rounds the fp16 value again
+@pytest.mark.parametrize("codec,relative", [("fp32", 0.0), ("fp16", 2.0**-11),
+                                            ("fp16-bitround8", 2.0**-9 + 2.0**-11)])
+def test_store_holds_the_teachers_topk(tmp_path, codec, relative):
+    table, logits_fn = table_teacher()
+    source = windows()
+    stats = write(tmp_path / "c", source, logits_fn, logprob_codec=codec, temperature=0.8, store_logsumexp=True)
+    assert stats.tokens == N * S and stats.shards_written == 3
+    reader = TopKCacheReader(tmp_path / "c")
+    assert len(reader) == N and reader.spec.k == K and reader.spec.logprob_codec == codec
+    for i in range(N):
+        sample = reader[i]
+        tokens = torch.from_numpy(source.windows(i, i + 1)[0])
+        ids, logprobs = reference(table, tokens, 0.8)
+        assert torch.equal(sample["tokens"], tokens)
+        assert torch.equal(sample["teacher_ids"], ids)
+        assert sample["teacher_ids"].dtype == torch.int64 and sample["teacher_logprobs"].dtype == torch.float32
+        error = (sample["teacher_logprobs"].double() - logprobs).abs()
+        assert (error <= relative * logprobs.abs() + 1e-5).all()        # 1e-5: float32 arithmetic
+        if relative:
+            assert (error > 1e-5).any()                                   # the codec really rounds
+        lse = torch.logsumexp(table.double()[tokens[:-1]] / 0.8, dim=-1)
+        torch.testing.assert_close(sample["teacher_logsumexp"].double(), lse, atol=1e-5, rtol=0)
+
+
+def test_fast_chunk_reads_equal_zarr_reads(tmp_path):
+    write(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    group = zarr.open_group(tmp_path / "c", mode="r")
+    assert all(r is not None for r in reader._chunk_readers.values())
+    for i in range(N):
+        fast = reader.sample_arrays(i)
+        for name, values in fast.items():
+            assert values.dtype == group[name].dtype and np.array_equal(values, group[name][i]), (name, i)
+
+
+def test_windows_of_a_shorter_student_sequence(tmp_path):
+    write(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    assert reader.num_windows(4) == N * 3
+    for j in (0, 1, 2, 3, 3 * N - 1):
+        sample, part = divmod(j, 3)
+        window, full = reader.window(j, 4), reader[sample]
+        assert torch.equal(window["tokens"], full["tokens"][4 * part:4 * part + 5])
+        assert torch.equal(window["teacher_ids"], full["teacher_ids"][4 * part:4 * part + 4])
+        assert torch.equal(window["teacher_logprobs"], full["teacher_logprobs"][4 * part:4 * part + 4])
+    with pytest.raises(ValueError, match="does not divide"):
+        reader.window(0, 5)
+    with pytest.raises(IndexError):
+        reader[N]
+
+
+def test_validate_names_what_does_not_fit(tmp_path):
+    write(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    reader.validate(vocab_size=V, seq_length=6, k=K, fingerprint=reader.spec.fingerprint, tokenizer="test-tok")
+    reader.validate(vocab_size=V + 14)           # a student with a larger padded vocabulary is fine
+    for bad, message in [(dict(vocab_size=V - 1), "larger than the student"), (dict(seq_length=5), "divide"),
+                         (dict(k=K + 1), "k="), (dict(fingerprint="other"), "fingerprint"),
+                         (dict(tokenizer="gpt2"), "tokenizer")]:
+        with pytest.raises(ValueError, match=message):
+            reader.validate(**bad)
+
+
+def test_reader_refuses_other_formats(tmp_path):
+    with pytest.raises(ValueError, match="no zarr.json"):
+        TopKCacheReader(tmp_path)
+    write(tmp_path / "c")
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    group.attrs["version"] = 99
+    with pytest.raises(ValueError, match="version 99"):
+        TopKCacheReader(tmp_path / "c")
+    group.attrs["format"] = "something-else"
+    with pytest.raises(ValueError, match="not a teacher top-K cache"):
+        TopKCacheReader(tmp_path / "c")
+
+
+def test_non_finite_teacher_logits_name_sample_and_position(tmp_path):
+    table, logits_fn = table_teacher()
+    source = windows()
+    bad_sample, bad_position = 6, 9
+    bad_token = int(source.windows(bad_sample, bad_sample + 1)[0, bad_position])
+
+    def poisoned(tokens):
+        logits = logits_fn(tokens).clone()
+        logits[tokens.t() == bad_token] = float("nan")  # every occurrence of that token
+        return logits
+
+    first = int(np.flatnonzero(source.stream[:N * S] == bad_token)[0])
+    sample, position = divmod(first, S)
+    with pytest.raises(ValueError, match=f"sample {sample}, position {position}"):
+        write(tmp_path / "c", source, poisoned)
+    with pytest.raises(ValueError, match="unfinished"):
+        TopKCacheReader(tmp_path / "c")
+
+
+def test_data_that_do_not_fit_the_teacher_vocab_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="token id"):
+        write(tmp_path / "a", windows(vocab=V + 5, tokenizer_vocab_size=None))
+    with pytest.raises(ValueError, match="tokenizer"):
+        write(tmp_path / "b", windows(tokenizer_vocab_size=V + 1))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_other_settings_at_the_path_are_refused_unless_overwrite(tmp_path):
+    write(tmp_path / "c")
+    before = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    with pytest.raises(ValueError, match=r"k: requested 5, on disk 6"):
+        write(tmp_path / "c", k=5)
+    assert json.loads((tmp_path / "c" / "zarr.json").read_text()) == before
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(ValueError, match="unreadable"):
+        write(tmp_path / "junk")
+    write(tmp_path / "c", k=5, overwrite=True)
+    assert TopKCacheReader(tmp_path / "c").spec.k == 5
+    again = write(tmp_path / "c", k=5)                       # same settings, complete: nothing to do
+    assert again.shards_written == 0 and again.shards_skipped == 3
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_resume_redoes_unmarked_shards_bit_identically(tmp_path):
+    write(tmp_path / "full")
+    write(tmp_path / "part")
+    group = zarr.open_group(tmp_path / "part", mode="r+")
+    group[fmt.SHARD_DONE][1] = 0                                  # as if killed before marking shard 1
+    group[fmt.IDS][4:8] = 0                                       # ... with its data half written
+    group.attrs.update(complete=False)
+    with pytest.raises(ValueError, match=r"samples \[4, 8\) of 11 are not written"):
+        TopKCacheReader(tmp_path / "part")
+    stats = write(tmp_path / "part")
+    assert (stats.shards_written, stats.shards_skipped) == (1, 2)
+    assert _tree(tmp_path / "part") == _tree(tmp_path / "full")
+
+
+def test_full_disk_leaves_an_incomplete_store_and_says_so(tmp_path, monkeypatch):
+    import megatron_kd_plugin.cache.writer as writer
+
+    real, calls = writer.store_shard, []
+
+    def disk_fills_during_second_shard(group, spec, shard, arrays):
+        calls.append(shard)
+        if len(calls) == 2:
+            group[fmt.TOKENS][4:8] = arrays[fmt.TOKENS]          # some data went out, then the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(group, spec, shard, arrays)
+
+    monkeypatch.setattr(writer, "store_shard", disk_fills_during_second_shard)
+    with pytest.raises(OSError, match="disk full while writing shard 1"):
+        write(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"samples \[4, 11\) of 11 are not written"):
+        TopKCacheReader(tmp_path / "c")
+
+
+def test_jsonl_source_with_a_tokenizers_file(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [f"the cat {i} sat on the mat number {i % 7}" for i in range(40)]
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    source = jsonl_windows(str(tmp_path / "docs.jsonl"), str(tmp_path / "tokenizer.json"), 8)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [i for t in texts for i in tokenizer.encode(t).ids + [eos]]
+    assert len(source) == (len(expected) - 1) // 8
+    assert source.windows(2, 3)[0].tolist() == expected[16:25]
+    vocab = tokenizer.get_vocab_size()
+    write(tmp_path / "c", source, table_teacher(vocab)[1], vocab_size=vocab, k=4)
+    reader = TopKCacheReader(tmp_path / "c")
+    assert reader.spec.tokenizer.startswith("tokenizer.json:sha256=")
+    assert reader[2]["tokens"].tolist() == expected[16:25]
+    with pytest.raises(ValueError, match="tokenizer"):
+        write(tmp_path / "d", source, table_teacher(vocab - 1)[1], vocab_size=vocab - 1, k=4)
+
+
+def test_spec_rejects_bad_values():
+    good = dict(k=4, vocab_size=10, seq_length=8, num_samples=3)
+    CacheSpec(**good)
+    for bad in [dict(k=0), dict(k=11), dict(vocab_size=2**31 + 1), dict(temperature=0.0),
+                dict(logprob_codec="bf16"), dict(samples_per_shard=0)]:
+        with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+            CacheSpec(**(good | bad))
