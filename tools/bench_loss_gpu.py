@@ -5,8 +5,9 @@
 
 Table 1 (loss forward + backward of ``topk_kd_loss``, ghost forward KL, bf16 hidden/weight, one rank's vocab shard
 without collectives): Dense vs Forward-chunked vs Fused PyTorch (kernels="torch") vs Fused Triton
-(kernels="triton"), and the floor: the same chunked bf16 GEMMs alone (X_c Wᵀ, G W, Gᵀ X_c; + the recompute product
-in mode "recompute"). Columns: ms, TFLOP/s counting 6·T·H·V, peak memory above the inputs
+(kernels="triton"); then two bounds for the fused loss: ``chunks_gemm_only`` (the chunked bf16 GEMMs alone:
+X_c Wᵀ, G W, Gᵀ X_c, + the recompute product in mode "recompute") and ``chunks_gemm_kernels`` (the same plus the
+two kernels on every chunk: the Triton fused loss minus its [c, K] token math and collectives). Columns: ms, TFLOP/s counting 6·T·H·V, peak memory above the inputs
 (torch.cuda.max_memory_allocated) and its ratio to the analytic floor of the loss head (dX + dW in the inputs'
 dtype + the per-token teacher state). Out-of-memory runs and runs the time budget cannot afford are reported as
 such. Table 2: ``chunk_row_stats`` and ``chunk_logit_grad_`` on one [c, Vp] bf16 chunk, Triton vs PyTorch, ms and
@@ -43,8 +44,8 @@ def _args(argv):
     parser.add_argument("--out", default="bench_results/loss_gpu.md", help="markdown table written here")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        args.tokens, args.vocab, args.hidden, args.k, args.reps = "48,96", "503,63", 32, 8, 1
-        args.chunk_bytes, args.kernel_chunk_bytes = args.chunk_bytes or 16 * 503 * 4, 2048
+        args.tokens, args.vocab, args.hidden, args.k, args.reps = "16,40", "131,63", 32, 4, 1
+        args.chunk_bytes, args.kernel_chunk_bytes = args.chunk_bytes or 16 * 131 * 4, 2048
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.vocab = [int(v) for v in args.vocab.split(",")]
     return args
@@ -97,21 +98,33 @@ def _loss_step(inputs, impl, kernels, args):
     hidden.grad = weight.grad = None
 
 
-def _gemm_floor_step(inputs, args):
-    """The fused loss's chunked GEMMs alone in the inputs' dtype (dW accumulated in it too), a [c, V] buffer of
-    ``chunk_bytes`` at 4 bytes per element as in the PyTorch fused loss."""
-    hidden, weight, _, _ = inputs
+def _chunk_pipeline_step(inputs, args, with_kernels):
+    """The fused loss's per-chunk work without its [c, K] token math and collectives: X_c Wᵀ (+ once more in mode
+    "recompute"), G W and Gᵀ X_c in the inputs' dtype (dW accumulated in it too), on [c, V] chunks of
+    ``chunk_bytes``; ``with_kernels`` adds chunk_row_stats and chunk_logit_grad_ (Triton on CUDA) in between, else
+    the logits stand in for their gradient (the GEMM floor)."""
+    from megatron_kd_plugin.kernels import chunk_logit_grad_, chunk_row_stats
+
+    hidden, weight, teacher_ids, _ = inputs
     x = hidden.detach().reshape(-1, hidden.shape[-1])  # [T, H]
     w = weight.detach()  # [V, H]
-    step = max(1, (args.chunk_bytes or 128 * 2**20) // (w.shape[0] * 4))
+    ids = teacher_ids.reshape(-1, teacher_ids.shape[-1])  # [T, K]
+    step = max(1, (args.chunk_bytes or 128 * 2**20) // (w.shape[0] * w.element_size()))
     d_hidden, d_weight = torch.empty_like(x), torch.zeros_like(w)
     for start in range(0, x.shape[0], step):
-        x_c = x[start:start + step]  # [c, H]
-        grad = x_c @ w.t()  # [c, V]: the logits, standing in for their gradient
+        rows = slice(start, start + step)
+        grad = x[rows] @ w.t()  # [c, V]
+        if with_kernels:
+            row_max, row_sumexp, gathered = chunk_row_stats(grad, ids[rows], 1.0, exclude=ids[rows])
+            lse = row_max + (row_sumexp + (gathered - row_max[:, None]).exp().sum(-1)).log()  # [c]
+            dense = torch.ones_like(lse)
+            sparse = -(gathered - lse[:, None]).softmax(-1)  # [c, K]: a stand-in for the token math's output
         if args.mode == "recompute":
-            grad = x_c @ w.t()
-        torch.mm(grad, w, out=d_hidden[start:start + step])
-        d_weight.addmm_(grad.t(), x_c)
+            grad = x[rows] @ w.t()
+        if with_kernels:
+            chunk_logit_grad_(grad, lse, dense, ids[rows], sparse, 1.0)
+        torch.mm(grad, w, out=d_hidden[rows])
+        d_weight.addmm_(grad.t(), x[rows])
 
 
 def _has_kernels_option() -> bool:
@@ -144,7 +157,9 @@ def _loss_table(args, device, started):
             elem = inputs[0].element_size()
             floor = (T * args.hidden + V * args.hidden) * elem + T * args.k * 8  # dX + dW + teacher ids/log-probs
             runs = [(name, lambda i=impl, k=kernels if has_kernels else None: _loss_step(inputs, i, k, args))
-                    for name, impl, kernels in VARIANTS] + [("gemm_floor", lambda: _gemm_floor_step(inputs, args))]
+                    for name, impl, kernels in VARIANTS]
+            runs += [("chunks_gemm_only", lambda: _chunk_pipeline_step(inputs, args, False)),
+                     ("chunks_gemm_kernels", lambda: _chunk_pipeline_step(inputs, args, True))]
             for name, step in runs:
                 row = {"variant": name, "T": T, "V": V}
                 if name == "fused_triton" and not has_kernels:
