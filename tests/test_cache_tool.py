@@ -1,0 +1,138 @@
+"""tools/cache_teacher_logits.py end to end: torchrun TP=2 on an indexed dataset against a float64 TP=1
+reference, and real SIGKILLs at several points followed by resumes that end byte-identical to one clean run."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.gpt import GPTSpec
+from tests.distributed import run_on_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "cache_teacher_logits.py"
+SPEC = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
+               seq_length=16)
+S, K = 16, 8
+
+
+def _make_teacher_and_reference(folder, prefix, num_samples):
+    """Saves a seeded teacher and an indexed dataset; returns float64 log-softmax of each window's rows."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_kd_plugin.cpu_compat import seed_model_parallel
+    from megatron_kd_plugin.gpt import build_gpt, gpt_logits, save_gpt
+
+    seed_model_parallel(3)
+    model = build_gpt(SPEC, tp_size=1)
+    with torch.no_grad():                       # sharpen the toy teacher: peaked, tie-free distributions
+        model.output_layer.weight.mul_(40.0)
+    save_gpt(model, SPEC, folder)
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for length in rng.integers(5, 40, 60):
+        builder.add_document(rng.integers(0, SPEC.vocab_size, length).astype(np.int32), [int(length)])
+    builder.finalize(prefix + ".idx")
+    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+
+    source = indexed_dataset_windows(prefix, S, num_samples=num_samples)
+    tokens = torch.from_numpy(source.windows(0, num_samples))
+    with torch.no_grad():
+        return tokens, torch.log_softmax(gpt_logits(model, tokens[:, :-1]).double(), dim=-1).transpose(0, 1)
+
+
+def _cache_command(teacher, prefix, output, *extra, nproc=1):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return launcher + [str(TOOL), "--teacher", str(teacher), "--data", prefix, "--output", str(output),
+                       "--seq-length", str(S), "--topk", str(K), "--no-progress", *extra]
+
+
+def _env(nproc):
+    return dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2")
+
+
+@pytest.fixture(scope="module")
+def teacher_and_data(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tool")
+    tokens, logprobs = run_on_ranks(1, _make_teacher_and_reference, str(work / "teacher"), str(work / "data"),
+                                    24)[0]
+    return work, tokens, logprobs
+
+
+def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_settings(teacher_and_data):
+    work, tokens, logprobs = teacher_and_data
+    output = work / "tp2.zarr"
+    result = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--tp", "2",
+                                           "--num-samples", "10", "--micro-batch-size", "3",
+                                           "--logprob-codec", "fp32", "--samples-per-shard", "4", nproc=2),
+                            env=_env(2), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "overhead (total / plain forward)" in result.stdout and "bytes/token" in result.stdout
+    reader = TopKCacheReader(output)
+    reader.validate(vocab_size=SPEC.vocab_size, seq_length=S, k=K)
+    assert len(reader) == 10 and reader.spec.teacher.startswith("teacher:sha256=")
+    for i in range(10):
+        sample = reader[i]
+        assert torch.equal(sample["tokens"], tokens[i])
+        ref = logprobs[i]                                                              # [S, V]
+        ids = torch.sort(ref, dim=-1, descending=True, stable=True).indices[:, :K].sort(dim=-1).values
+        assert torch.equal(sample["teacher_ids"], ids)
+        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, ids), atol=2e-5, rtol=0)
+    refused = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--num-samples", "10",
+                                            "--topk", "4"), env=_env(1), capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "pass --overwrite" in refused.stderr and "k: requested 4" in refused.stderr
+    pp = subprocess.run(_cache_command(work / "teacher", str(work / "data"), work / "pp.zarr", "--pp", "2"),
+                        env=_env(1), capture_output=True, text=True, timeout=300)
+    assert pp.returncode != 0 and "pipeline parallelism is not supported" in pp.stderr
+
+
+def _done(output) -> int:
+    try:
+        return int(zarr.open_group(output, mode="r")[fmt.SHARD_DONE][:].sum())
+    except Exception:  # noqa: BLE001 (not created yet)
+        return -1
+
+
+def _kill_when(command, output, shards_done, timeout=240):
+    """Starts ``command``, SIGKILLs its whole process group once ``shards_done`` shards are marked done."""
+    proc = subprocess.Popen(command, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while _done(output) < shards_done:
+        assert proc.poll() is None, f"the tool ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return _done(output)
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_sigkill_at_several_points_then_resume_is_byte_identical(teacher_and_data):
+    work, _, _ = teacher_and_data
+    args = ("--num-samples", "24", "--samples-per-shard", "2", "--micro-batch-size", "1")
+    clean, killed = work / "clean.zarr", work / "killed.zarr"
+    assert subprocess.run(_cache_command(work / "teacher", str(work / "data"), clean, *args), env=_env(1),
+                          capture_output=True, timeout=300).returncode == 0
+    marks = [_kill_when(_cache_command(work / "teacher", str(work / "data"), killed, *args), killed, n)
+             for n in (0, 3, 7)]                          # right after creation, then mid-run twice
+    assert marks[0] < marks[1] < marks[2] < 12, marks   # each kill landed before the end
+    with pytest.raises(ValueError, match="unfinished"):
+        TopKCacheReader(killed)
+    resumed = subprocess.run(_cache_command(work / "teacher", str(work / "data"), killed, *args), env=_env(1),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _tree(killed) == _tree(clean)
+    assert not list(killed.rglob("*.partial"))
