@@ -94,7 +94,7 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def run_variant(variant: str, work: pathlib.Path, preset: str) -> dict:
+def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None) -> dict:
     """Trains and evaluates one student (called in a child process); returns its row."""
     import torch
 
@@ -107,6 +107,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str) -> dict:
     from tools.train_kd import build_config
 
     cfg = PRESETS[preset]
+    if student_steps is not None:
+        cfg = dataclasses.replace(cfg, student_steps=student_steps)
     corpus = DemoCorpus.load(work / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     with single_process_megatron(cfg.seed):
@@ -212,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=pathlib.Path, default=REPO_ROOT / "bench_results" / "quality")
     parser.add_argument("--reuse", type=pathlib.Path, help="a finished demo folder of the same preset")
     parser.add_argument("--overwrite", action="store_true", help="redo stages 1-3 and every variant")
+    parser.add_argument("--student-steps", type=int, help="override the preset's student steps (<= its cache)")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = args.output
     if args.child:
-        row = run_variant(args.child, work, args.preset)
+        row = run_variant(args.child, work, args.preset, args.student_steps)
         (work / "bench" / f"{args.child}.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0
     prepare_work(work, args.preset, args.reuse, args.overwrite)
@@ -228,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         result = work / "bench" / f"{variant}.json"
         if args.overwrite or not result.exists():
             print(f"[bench] {variant}", flush=True)
+            steps = [] if args.student_steps is None else ["--student-steps", str(args.student_steps)]
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
-                            "--child", variant], check=True, env=env, cwd=REPO_ROOT)
+                            "--child", variant, *steps], check=True, env=env, cwd=REPO_ROOT)
         rows.append(json.loads(result.read_text()))
     text = table(rows)
     (work / "results.md").write_text(text + "\n")
