@@ -14,9 +14,10 @@ Memory traffic per chunk (the [c, Vp] logits dominate everything else):
 All math is fp32; results are written in the logits' dtype (bf16 on GPU) so they feed the dX = G W and dW = Gᵀ X
 cuBLAS products directly.
 
-The kernels are jitted on first use, not at import: ``TRITON_INTERPRET`` is read when a kernel is first launched
-(tests set it after other modules may have imported triton); interpreted kernels use one small tile config,
-compiled ones are autotuned over a few BLOCK_V keyed by Vp.
+The kernels are jitted on first use, not at import, each way once: compiled (autotuned over a few BLOCK_V keyed by
+Vp) or, under ``TRITON_INTERPRET=1``, interpreted with one small tile config. The interpreter also needs
+triton.language itself imported under that variable (tl.max and tl.sum are jitted helpers), so interpreted runs
+set it before anything imports triton (tests/test_kernels.py runs them in a fresh process).
 """
 
 from __future__ import annotations
