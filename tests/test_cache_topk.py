@@ -47,9 +47,11 @@ def test_non_finite_logits_are_flagged_per_token():
     x = make_logits(1, ties=False)
     x[2, 1, 5] = float("nan")
     x[4, 0, 0] = float("inf")
+    x[5, 2, :] = float("-inf")              # -inf inside the top-K
+    x[0, 0, 3] = float("-inf")              # -inf outside the top-K: probability 0, fine
     top = vocab_parallel_topk(x, 4)
     expected = torch.ones(S, B, dtype=torch.bool)
-    expected[2, 1] = expected[4, 0] = False
+    expected[2, 1] = expected[4, 0] = expected[5, 2] = False
     assert torch.equal(top.finite, expected)
 
 

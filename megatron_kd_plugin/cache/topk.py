@@ -8,9 +8,9 @@ Math (per token, logits z ∈ R^V at the cache temperature τ_c, i.e. z = logits
 
 Under tensor parallelism rank r holds z[r·V_p : (r+1)·V_p] (``[s, b, V/tp]``). Rank r takes its
 local top-min(K, V_p) (same order), all ranks all-gather their ``tp·K`` candidates (values and
-global ids), and every rank takes the global top-K of the candidates; M is an all-reduce MAX of
-the local maxima and Σ exp(z − M) an all-reduce SUM of the local sums. The ``[s, b, V]`` grid is
-never gathered. Ties are broken by the lower global id, so the result equals the top-K of the
+global ids), and every rank takes the global top-K of the candidates. The LSE combines the local
+ones, L_r = LSE(z_r): M = all-reduce MAX of L_r, LSE(z) = M + log(all-reduce SUM of exp(L_r − M)).
+The ``[s, b, V]`` grid is never gathered. Ties are broken by the lower global id, so the result equals the top-K of the
 gathered logits bit for bit, at any TP size.
 
 Shapes: logits ``[s, b, V/tp]`` (any leading shape works); outputs ``[s, b, K]`` and ``[s, b]``.
@@ -29,7 +29,8 @@ class TeacherTopK(NamedTuple):
     ids: int64 ``[s, b, K]`` global vocab ids, ordered by (log-prob desc, id asc).
     logprobs: float32 ``[s, b, K]`` log-probs normalised over the full vocab.
     logsumexp: float32 ``[s, b]`` the full-vocab LSE of the tempered logits.
-    finite: bool ``[s, b]`` False where any of the token's logits (on any rank) is NaN/±inf.
+    finite: bool ``[s, b]`` False where the token's logits (on any rank) hold a NaN or +inf, or a −inf
+        inside the top-K.
     """
 
     ids: torch.Tensor
@@ -45,19 +46,20 @@ def _group_size(tp_group) -> int:
 def topk_by_value_then_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` along the last dim ordered by (value desc, index asc); deterministic under ties.
 
-    ``torch.topk`` picks an arbitrary subset of tied values at the K-th place. Rows where the
-    K-th value is tied with an unselected element are redone with a stable full sort; other rows
-    only have their K selected entries stably re-sorted.
+    ``torch.topk`` picks an arbitrary subset of values tied at the K-th place. It is asked for K+1: rows whose
+    K-th and (K+1)-th values differ are unambiguous and only get their K entries stably re-sorted; the
+    (rare) rows with a tie across the boundary are redone with a stable full sort.
     Shape: values ``[..., N]`` -> (values ``[..., k]``, indices int64 ``[..., k]``).
     """
-    vals, idx = torch.topk(values, k, dim=-1, sorted=False)              # [..., k]
-    order = torch.argsort(idx, dim=-1)                                   # index asc ...
+    n = values.shape[-1]
+    vals, idx = torch.topk(values, min(k + 1, n), dim=-1, sorted=True)          # [..., k+1]
+    ambiguous = vals[..., k - 1] == vals[..., k] if k < n else None
+    vals, idx = vals[..., :k], idx[..., :k]
+    order = torch.argsort(idx, dim=-1)                                           # index asc ...
     vals, idx = vals.gather(-1, order), idx.gather(-1, order)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ... then value desc
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices      # ... then value desc
     vals, idx = vals.gather(-1, order), idx.gather(-1, order)
-    kth = vals[..., -1:]                                                 # [..., 1]
-    ambiguous = (values == kth).sum(-1) != (vals == kth).sum(-1)         # [...]
-    if bool(ambiguous.any()):
+    if ambiguous is not None and bool(ambiguous.any()):
         rows = ambiguous.nonzero(as_tuple=True)
         full = torch.sort(values[rows], dim=-1, descending=True, stable=True)
         vals[rows], idx[rows] = full.values[..., :k], full.indices[..., :k]
@@ -69,7 +71,11 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
     """Top-K ids, full-vocab log-probs and LSE from vocab-parallel logits ``[s, b, V/tp]``.
 
     ``temperature`` is the cache temperature τ_c (logits are divided by it in float32). With
-    ``tp_group`` None or of size 1 no communication happens. See the module docstring.
+    ``tp_group`` None or of size 1 no communication happens. Two passes over the logits: top-(K+1) and
+    the local logsumexp; the global LSE combines the local ones (all-reduce MAX, then SUM of exp(lse_r − M)).
+    A token is flagged non-finite when its LSE or one of its top-K logits is NaN/±inf (a NaN or +inf logit
+    anywhere makes the LSE non-finite; a −inf logit only matters inside the top-K).
+    See the module docstring.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -80,20 +86,16 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
     if k > vocab_local * tp:
         raise ValueError(f"k={k} exceeds the vocabulary size {vocab_local * tp}")
     z = logits.float() / temperature if temperature != 1.0 else logits.float()  # [s, b, V/tp]
-    finite = torch.isfinite(z).all(dim=-1)                                       # [s, b]
-    z = torch.where(finite.unsqueeze(-1), z, torch.zeros((), dtype=z.dtype))     # keep math finite
     vals, idx = topk_by_value_then_id(z, min(k, vocab_local))                    # [s, b, k_loc]
-    local_max = z.amax(dim=-1)                                                   # [s, b]
-    rank = 0 if tp == 1 else dist.get_rank(tp_group)
-    idx = idx + rank * vocab_local                                               # global ids
+    lse = torch.logsumexp(z, dim=-1)                                             # [s, b] local
     if tp > 1:
-        global_max = local_max.clone()
+        idx = idx + dist.get_rank(tp_group) * vocab_local                        # global ids
+        global_max = lse.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        flags = finite.to(torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=tp_group)
-        finite = flags.bool()
-        sum_exp = torch.exp(z - global_max.unsqueeze(-1)).sum(dim=-1)             # [s, b]
+        global_max = torch.where(torch.isfinite(global_max), global_max, torch.zeros((), dtype=lse.dtype))
+        sum_exp = torch.exp(lse - global_max)                                     # [s, b]
         dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+        lse = global_max + torch.log(sum_exp)
         vals_all = [torch.empty_like(vals) for _ in range(tp)]
         idx_all = [torch.empty_like(idx) for _ in range(tp)]
         dist.all_gather(vals_all, vals.contiguous(), group=tp_group)
@@ -104,8 +106,5 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
         # stable descending sort by value breaks ties by global id.
         order = torch.sort(cand_vals, dim=-1, descending=True, stable=True).indices[..., :k]
         vals, idx = cand_vals.gather(-1, order), cand_idx.gather(-1, order)      # [s, b, K]
-    else:
-        global_max = local_max
-        sum_exp = torch.exp(z - global_max.unsqueeze(-1)).sum(dim=-1)
-    lse = global_max + torch.log(sum_exp)                                        # [s, b]
+    finite = torch.isfinite(lse) & torch.isfinite(vals).all(dim=-1)              # [s, b]
     return TeacherTopK(ids=idx, logprobs=vals - lse.unsqueeze(-1), logsumexp=lse, finite=finite)

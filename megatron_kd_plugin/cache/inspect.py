@@ -1,0 +1,111 @@
+"""``python -m megatron_kd_plugin inspect STORE [--samples N] [--plot out.png]``: what a top-K store holds.
+
+Prints the attributes, completeness (and the missing samples of an unfinished store), bytes on disk per token
+(total and per array), and over up to N written samples (evenly spaced) the quantiles of the top-K mass
+m = Σ_k p_k and of the teacher entropy over the K+1 buckets (the K ids plus the tail as one bucket:
+H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the full-vocab entropy). ``--plot`` draws both
+histograms into a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+import zarr
+
+from megatron_kd_plugin.cache import format as fmt
+
+QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+
+
+def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(top-K mass ``[...]``, K+1-bucket entropy ``[...]``) of log-probs ``[..., K]``."""
+    logprobs = logprobs.astype(np.float64)
+    p = np.exp(logprobs)
+    mass = p.sum(-1)
+    tail = np.clip(1.0 - mass, 0.0, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tail_term = np.where(tail > 0, tail * np.log(tail), 0.0)
+    return mass, -(p * logprobs).sum(-1) - tail_term
+
+
+def stored_bytes(path: pathlib.Path) -> dict[str, int]:
+    """Bytes on disk per top-level entry of the store."""
+    return {child.name: sum(f.stat().st_size for f in child.rglob("*") if f.is_file()) if child.is_dir()
+            else child.stat().st_size for child in sorted(path.iterdir())}
+
+
+def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
+    """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``."""
+    path = pathlib.Path(path)
+    group = zarr.open_group(path, mode="r")
+    spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
+    lines = [f"store {path}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
+    missing = fmt.missing_samples(group, spec)
+    if group.attrs.get("complete") is True:
+        lines.append(f"complete: yes ({spec.num_samples} samples)")
+    else:
+        lines.append(f"complete: NO — samples {fmt.describe_ranges(missing)} not written (readers refuse it)")
+    sizes = stored_bytes(path)
+    done = spec.num_samples - sum(end - begin for begin, end in missing)
+    lines.append(f"bytes on disk: {sum(sizes.values())} for {done} of {spec.num_samples} samples; "
+                 f"{sum(sizes.values()) / max(1, done * spec.seq_length):.1f} bytes/token written "
+                 f"(K={spec.k}, {spec.logprob_codec})")
+    lines += [f"  {name:<20} {size / max(1, done * spec.seq_length):8.1f} bytes/token" for name, size in sizes.items()]
+    written = np.flatnonzero(group[fmt.SHARD_DONE][:])
+    picked = np.concatenate([np.arange(*spec.shard_range(int(s))) for s in written]) if len(written) else \
+        np.zeros(0, dtype=np.int64)
+    picked = picked[np.linspace(0, len(picked) - 1, min(samples, len(picked))).round().astype(int)] \
+        if len(picked) else picked
+    stats: dict[str, np.ndarray] = {}
+    if len(picked):
+        mass, entropy = topk_statistics(np.stack([group[fmt.LOGPROBS][int(i)] for i in picked]))
+        stats = {"top-K mass": mass.ravel(), "entropy (nats, K+1 buckets)": entropy.ravel()}
+        header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
+        lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
+        for name, values in stats.items():
+            row = "  ".join(f"{v:4.3f}" for v in np.quantile(values, QUANTILES))
+            lines.append(f"  {name:<28} {row}   mean {values.mean():.4f}")
+    return "\n".join(lines), stats
+
+
+def plot(stats: dict[str, np.ndarray], output) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(stats), figsize=(5 * len(stats), 3.6))
+    for ax, (name, values) in zip(np.atleast_1d(axes), stats.items()):
+        ax.hist(values, bins=50)
+        ax.set_xlabel(name)
+        ax.set_ylabel("tokens")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin inspect", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("store", help="path of the cache store")
+    parser.add_argument("--samples", type=int, default=256, help="samples to compute the statistics over")
+    parser.add_argument("--plot", default=None, help="write top-K mass and entropy histograms to this PNG")
+    args = parser.parse_args(argv)
+    try:
+        text, stats = describe(args.store, args.samples)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}")
+        return 2
+    print(text)
+    if args.plot:
+        if not stats:
+            print("error: nothing written yet, nothing to plot")
+            return 2
+        plot(stats, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
