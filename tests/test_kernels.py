@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -24,3 +25,12 @@ else:
                               "tests/test_kernels.py"], cwd=repo, env=env, capture_output=True, text=True,
                              timeout=600)
         assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+
+    def test_interpreter_switched_on_too_late_is_a_clear_error(monkeypatch):
+        import triton.language  # noqa: F401  (built for compilation, as megatron-core's import does)
+
+        from megatron_kd_plugin.kernels import chunk_row_stats
+
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(RuntimeError, match="set after triton was imported"):
+            chunk_row_stats(torch.zeros(2, 5), torch.zeros(2, 1, dtype=torch.int64), 1.0, kernels="triton")

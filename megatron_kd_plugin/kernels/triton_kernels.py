@@ -137,6 +137,10 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         return triton.jit(fn, do_not_specialize=[a for a in _LOOP_BOUNDS if a in inspect.signature(fn).parameters])
 
     if interpret:  # small tiles and spans, so small test shapes cross tile, split and J-block edges
+        if isinstance(tl.max, triton.runtime.JITFunction):
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported, so triton.language's own "
+                               "helpers (tl.max, tl.sum) cannot be interpreted: set it before anything imports "
+                               "triton (megatron-core does at import), e.g. in the environment of a fresh process")
         return SimpleNamespace(row_stats=jit(_row_stats), dense_grad=jit(_dense_grad),
                                grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
                                fixed={"BLOCK_V": 32}, min_span=48, target_programs=1 << 30, block_j=32)
