@@ -20,10 +20,12 @@ if [[ ! -x "$PY" ]]; then
 fi
 TE_VERSION=2.20.2
 BRIDGE_VERSION=0.6.2
-# pure-Python packages that `import megatron.bridge` and its training/config modules need
+# pure-Python packages that `import megatron.bridge` and the modules the plugin uses (training.config, .state,
+# .optim, data.loaders/samplers) need; megatron-energon and tensorboard are imported by those at module level
 BRIDGE_IMPORT_DEPS=(
     "transformers==5.12.1" "hydra-core==1.3.8" "omegaconf==2.3.1" "einops==0.8.2" "rich==15.0.0"
     "six==1.17.0" "regex==2026.11.19" "pyyaml==6.0.4" "tqdm" "typing-extensions" "datasets==5.2.0"
+    "megatron-energon==7.4.1" "tensorboard==2.21.0"
 )
 PINNED=("transformer_engine_cu13==$TE_VERSION" "transformer_engine_torch==$TE_VERSION"
         "transformer_engine==$TE_VERSION" "megatron-bridge==$BRIDGE_VERSION" "${BRIDGE_IMPORT_DEPS[@]}")
@@ -36,8 +38,11 @@ import_check() {
 import torch  # noqa: F401
 import transformer_engine.pytorch  # noqa: F401
 import megatron.bridge  # noqa: F401
-from megatron.bridge.training.config import ConfigContainer  # noqa: F401
+from megatron.bridge.training.config import ConfigContainer, runtime_config_update  # noqa: F401
 from megatron.bridge.data.base import DatasetProvider  # noqa: F401
+from megatron.bridge.data.loaders import get_train_valid_test_num_samples  # noqa: F401
+from megatron.bridge.training.optim import _get_scheduler  # noqa: F401
+from megatron.bridge.training.state import GlobalState  # noqa: F401
 import transformer_engine, megatron.bridge as mb
 print(f"transformer_engine {transformer_engine.__version__}, megatron.bridge {mb.__version__}: import OK")
 PY

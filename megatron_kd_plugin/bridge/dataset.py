@@ -25,15 +25,13 @@ class TopKCacheDataset(torch.utils.data.Dataset):
 
     def __init__(self, reader, sample_ids: np.ndarray, *, seq_length: int, num_rows: int, seed: int,
                  shuffle: bool = True):
-        cached = reader.spec.seq_length
-        if seq_length < 1 or cached % seq_length:
-            raise ValueError(f"student seq_length={seq_length} must divide the cache's seq_length={cached}")
+        reader.validate(seq_length=seq_length)
         if len(sample_ids) == 0:
             raise ValueError("this split holds no cached samples; change the split or write a larger cache")
         self.reader = reader
         self.sample_ids = np.asarray(sample_ids, dtype=np.int64)
         self.seq_length = seq_length
-        self.windows_per_sample = cached // seq_length
+        self.windows_per_sample = reader.spec.seq_length // seq_length
         self.windows_per_epoch = len(self.sample_ids) * self.windows_per_sample
         self.num_rows = num_rows
         self.seed = seed
@@ -57,15 +55,13 @@ class TopKCacheDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
         sample, window = self.window_of(int(row))
-        cached = self.reader[sample]
-        s = self.seq_length
-        begin = window * s
-        tokens = cached["tokens"].long()
+        cached = self.reader.window(sample * self.windows_per_sample + window, self.seq_length)
+        tokens = cached["tokens"]                                       # [S + 1]
         return {
-            "tokens": tokens[begin:begin + s],
-            "labels": tokens[begin + 1:begin + s + 1],
-            "loss_mask": torch.ones(s, dtype=torch.float32),
-            "position_ids": torch.arange(s, dtype=torch.long),
-            "teacher_ids": cached["teacher_ids"][begin:begin + s],
-            "teacher_logprobs": cached["teacher_logprobs"][begin:begin + s].float(),
+            "tokens": tokens[:-1],
+            "labels": tokens[1:],
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+            "teacher_ids": cached["teacher_ids"],                       # [S, K]
+            "teacher_logprobs": cached["teacher_logprobs"],             # [S, K]
         }

@@ -46,6 +46,14 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) ->
             for key in FIRST_STAGE_KEYS + LAST_STAGE_KEYS}
 
 
+def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
+    """None on a GPU (the attention kernels are causal by themselves); on CPU the explicit [1, 1, s, s] mask
+    (True = masked): megatron-core's local attention would otherwise build its default one on "cuda"."""
+    if torch.cuda.is_available():
+        return None
+    return torch.ones(seq_length, seq_length, dtype=torch.bool).triu(1).view(1, 1, seq_length, seq_length)
+
+
 def _kd_output_processor(*, hidden_states, output_layer, output_weight, context, **_) -> KDLossResult:
     """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss."""
     weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
@@ -88,6 +96,8 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
             sequence_parallel=config.sequence_parallel,
             **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
         )
-    output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+    output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                   attention_mask=_causal_mask_off_cuda(config.seq_length if batch["tokens"] is None
+                                                        else batch["tokens"].shape[1]),
                    labels=batch["labels"], output_processor=_kd_output_processor, output_processor_context=context)
     return output, functools.partial(kd_loss_func, options.alpha)

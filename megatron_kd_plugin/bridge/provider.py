@@ -60,15 +60,8 @@ class TopKCacheDatasetProvider(DatasetProvider):
     def open_validated(self, *, vocab_size: int | None = None) -> TopKCacheReader:
         """Open the store and check it against this provider and the student's ``vocab_size`` (if given: every
         teacher id must lie below it); ValueError if not. ``check_kd_config`` passes the model's."""
-        reader = TopKCacheReader(self.cache_path)
-        reader.validate(k=self.k)
-        spec = reader.spec
-        if spec.seq_length % self.seq_length:
-            raise ValueError(f"student seq_length={self.seq_length} does not divide the cache's "
-                             f"seq_length={spec.seq_length} ({self.cache_path})")
-        if vocab_size is not None and spec.vocab_size > vocab_size:
-            raise ValueError(f"the cache's teacher vocabulary ({spec.vocab_size} ids, tokenizer {spec.tokenizer!r}) "
-                             f"does not fit the student's vocab_size={vocab_size}: the two tokenizers differ")
+        reader = TopKCacheReader(self.cache_path)   # refuses an unfinished store
+        reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=self.k)
         return reader
 
     def build_datasets(self, context: DatasetBuildContext):

@@ -1,0 +1,99 @@
+"""Recipes, overrides, the KD config section and Bridge registration (single process, no store needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
+
+from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
+from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
+from megatron_kd_plugin.loss.options import KDLossOptions
+from recipes import RECIPES
+from tools.train_kd import build_config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+RECIPE_NAME = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*_kd_(\w+_)?(\d+gpu_h200_bf16|cpu_fp32)_config$")
+
+
+def test_every_recipe_is_a_zero_arg_kd_config_with_a_conventional_name():
+    assert len(RECIPES) >= 3
+    for name, recipe in RECIPES.items():
+        assert RECIPE_NAME.match(name), name
+        cfg = recipe()
+        assert isinstance(cfg, KDConfigContainer), name
+        assert isinstance(cfg.dataset, TopKCacheDatasetProvider), name
+        assert cfg.dataset.seq_length == cfg.model.seq_length, name
+        cfg.kd.finalize()
+
+
+def test_real_model_recipes_are_32k_bf16_and_the_multi_gpu_one_uses_tp_pp_dp():
+    one = RECIPES["qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config"]()
+    eight = RECIPES["qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config"]()
+    for cfg in (one, eight):
+        assert cfg.model.seq_length == 32768 and cfg.mixed_precision == "bf16_mixed"
+        assert cfg.model.vocab_size == 151936
+    assert (one.model.tensor_model_parallel_size, one.model.pipeline_model_parallel_size) == (1, 1)
+    tp, pp = eight.model.tensor_model_parallel_size, eight.model.pipeline_model_parallel_size
+    assert tp > 1 and pp > 1 and 8 // (tp * pp) > 1 and eight.model.sequence_parallel
+
+
+def test_kd_config_mirrors_the_loss_options_field_for_field():
+    assert [f.name for f in dataclasses.fields(KDConfig)] == [f.name for f in dataclasses.fields(KDLossOptions)]
+    assert dataclasses.asdict(KDConfig().options()) == dataclasses.asdict(KDLossOptions())
+
+
+def test_overrides_reach_every_section_and_bad_ones_fail_before_training():
+    cfg = build_config("tiny_gpt_kd_cpu_fp32_config",
+                       ["kd.temperature=2.0", "kd.tail=renorm", "train.train_iters=7", "dataset.seq_length=16",
+                        "model.hidden_size=32"])
+    assert (cfg.kd.temperature, cfg.kd.tail, cfg.train.train_iters) == (2.0, "renorm", 7)
+    assert (cfg.dataset.seq_length, cfg.model.hidden_size) == (16, 32)
+    assert cfg.kd.options().temperature == 2.0
+    with pytest.raises(OverridesError, match="nonexistent"):
+        build_config("tiny_gpt_kd_cpu_fp32_config", ["train.nonexistent=1"])
+    with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+        build_config("nope", [])
+    bad = build_config("tiny_gpt_kd_cpu_fp32_config", ["kd.tail=bogus"])
+    with pytest.raises(ValueError, match="bogus"):
+        bad.kd.finalize()
+
+
+def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after(tmp_path):
+    """A fresh interpreter: registration is process-global, so 'before' needs a process that never registered."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+        from megatron_kd_plugin.bridge.config import KDConfigContainer
+        from recipes import RECIPES
+
+        cfg = process_config_with_overrides(RECIPES["tiny_gpt_kd_cpu_fp32_config"](),
+                                            cli_overrides=["kd.temperature=3.0", "dataset.cache_path=/x.zarr"])
+        cfg.to_yaml({str(tmp_path / "kd.yaml")!r})
+        try:
+            KDConfigContainer.from_yaml({str(tmp_path / "kd.yaml")!r})
+        except Exception as error:
+            assert "allowlist" in str(error), error
+            print("BEFORE: refused")
+        else:
+            raise SystemExit("loaded without registration")
+        from megatron_kd_plugin.bridge import register
+        register()
+        register()
+        loaded = KDConfigContainer.from_yaml({str(tmp_path / "kd.yaml")!r})
+        assert type(loaded).__name__ == "KDConfigContainer", type(loaded)
+        assert type(loaded.dataset).__name__ == "TopKCacheDatasetProvider", type(loaded.dataset)
+        assert loaded.kd.temperature == 3.0 and loaded.dataset.cache_path == "/x.zarr"
+        assert loaded.model.num_layers == cfg.model.num_layers
+        print("AFTER: loaded")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "BEFORE: refused" in done.stdout and "AFTER: loaded" in done.stdout
