@@ -64,7 +64,7 @@ LOGPROB_CODECS = {
 }
 """Named log-prob codecs; ``tools/bench_cache.py`` measures bytes/token and round-trip KL of each."""
 
-DEFAULT_LOGPROB_CODEC = "fp16-bitround8"
+DEFAULT_LOGPROB_CODEC = "fp16-bitround7"
 
 
 @dataclass(frozen=True, kw_only=True)

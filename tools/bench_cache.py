@@ -1,0 +1,261 @@
+"""Cache codec benchmark: bytes/token, round-trip error and throughput of each store candidate, one table.
+
+    python tools/bench_cache.py                                   # synthetic peaked teacher, V=32768 and 201088
+    python tools/bench_cache.py --teacher TEACHER_DIR --data PREFIX  # a save_gpt teacher on an indexed dataset
+    python tools/bench_cache.py --overhead --tp 1 2                  # the cache tool's time over a plain forward
+
+Candidates: the two rank-order baselines (raw int32 ids + raw fp16 log-probs = the 600 B/token reference, and
+both blosc-compressed) written as plain zarr arrays, then the store format (ids sorted per row + delta filter)
+with every log-prob codec, written by the real writer and read by the real reader. Columns: bytes/token of ids
+and log-probs, total store bytes/token, round-trip KL over the K+1 ghost buckets (stored vs float32 top-K;
+mean and max over tokens, nats), the fraction of tokens whose decoded top-K mass exceeds 1, writer tokens/s
+excluding the teacher forward, and reader tokens/s (``TopKCacheReader[i]`` in random order, torch tensors) next
+to zarr's own ``array[i]`` for ids + log-probs.
+
+``--overhead`` saves a randomly initialised GPT teacher (``--overhead-spec``) and an indexed dataset of random
+tokens, runs ``tools/cache_teacher_logits.py`` on them under torchrun at each ``--tp`` and prints the tool's own
+report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes).
+
+The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
+E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
+a, b are set so that the mean top-100 mass is ~0.9 and the mean entropy ~2.5 nats, like a mid-size LM on text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BloscCodec
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from megatron_kd_plugin.cache import TopKCacheReader  # noqa: E402
+from megatron_kd_plugin.cache import format as fmt  # noqa: E402
+from megatron_kd_plugin.cache.inspect import stored_bytes, topk_statistics  # noqa: E402
+from megatron_kd_plugin.cache.sources import TokenWindows, indexed_dataset_windows  # noqa: E402
+from megatron_kd_plugin.cache.topk import vocab_parallel_topk  # noqa: E402
+from megatron_kd_plugin.cache.writer import write_cache  # noqa: E402
+
+
+def synthetic_teacher(vocab: int, prior_scale: float = 0.9, context_scale: float = 0.55, rank: int = 64):
+    """logits_fn(tokens [b, s]) -> [s, b, V] of the synthetic teacher described in the module docstring."""
+    g = torch.Generator().manual_seed(vocab)
+    prior = -prior_scale * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))[torch.randperm(vocab, generator=g)]
+    emb = torch.randn(vocab, rank, generator=g)
+    out = torch.randn(rank, vocab, generator=g) * context_scale
+    return lambda tokens: (prior + emb[tokens] @ out).transpose(0, 1)
+
+
+def ghost_kl(exact: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """KL(exact ‖ stored) per token over the K ids plus the tail bucket; log-probs ``[..., K]`` -> ``[...]``."""
+    exact, stored = exact.double(), stored.double()
+    p = exact.exp()
+    tail, tail_stored = (1 - p.sum(-1)).clamp(min=0), (1 - stored.exp().sum(-1)).clamp(min=1e-12)
+    tail_term = torch.where(tail > 0, tail * (torch.log(tail.clamp(min=1e-300)) - torch.log(tail_stored)), 0.0)
+    return (p * (exact - stored)).sum(-1) + tail_term
+
+
+def exact_topk(source: TokenWindows, logits_fn, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """float32 top-K (ids, log-probs ``[S, K]``, rank order) of every sample."""
+    out = []
+    for sample in range(len(source)):
+        tokens = torch.from_numpy(source.windows(sample, sample + 1))[:, :-1]
+        top = vocab_parallel_topk(logits_fn(tokens), k)
+        out.append((top.ids[:, 0], top.logprobs[:, 0]))
+    return out
+
+
+def by_id(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.argsort(dim=-1)
+    return ids.gather(-1, order), logprobs.gather(-1, order)
+
+
+def reader_rate(read, n: int, tokens_per_sample: int, repeats: int = 2) -> float:
+    best = 0.0
+    for repeat in range(repeats):
+        start = time.perf_counter()
+        for i in np.random.default_rng(repeat).permutation(n):
+            read(int(i))
+        best = max(best, n * tokens_per_sample / (time.perf_counter() - start))
+    return best
+
+
+def baseline_rows(exact, k, work: pathlib.Path) -> list[dict]:
+    """The rank-order baselines as plain zarr arrays (one chunk per sample)."""
+    n, s = len(exact), exact[0][0].shape[0]
+    ids = torch.stack([e[0] for e in exact]).numpy().astype(np.int32)
+    logprobs = torch.stack([e[1] for e in exact]).numpy()
+    rows = []
+    for name, compressor in (("rank order, raw", None),
+                             ("rank order, blosc-zstd shuffle", "blosc")):
+        folder = work / name.replace(" ", "_").replace(",", "")
+        arrays = {}
+        for key, values, dtype in (("ids", ids, "int32"), ("lp", logprobs.astype(np.float16), "float16")):
+            codec = BloscCodec(cname="zstd", clevel=5, shuffle="shuffle", typesize=np.dtype(dtype).itemsize) \
+                if compressor else None
+            arrays[key] = zarr.create_array(folder / key, shape=values.shape, chunks=(1, s, k), dtype=dtype,
+                                            compressors=codec)
+            arrays[key][:] = values
+        sizes = {key: sum(f.stat().st_size for f in (folder / key).rglob("*") if f.is_file()) for key in arrays}
+        stored = torch.from_numpy(arrays["lp"][:].astype(np.float32))
+        kl = ghost_kl(torch.from_numpy(logprobs), stored)
+        mass = stored.double().exp().sum(-1)
+        rows.append(dict(name=name, ids=sizes["ids"], lp=sizes["lp"], total=sum(sizes.values()), kl=kl,
+                         over=float((mass > 1).double().mean()), write=float("nan"),
+                         read=float("nan"),
+                         zarr_read=reader_rate(lambda i: (arrays["ids"][i], arrays["lp"][i]), n, s)))
+    return rows
+
+
+def store_row(source, logits_fn, exact, k, vocab, codec, work: pathlib.Path, micro_batch_size: int) -> dict:
+    path = work / f"store_{codec}"
+    stats = write_cache(source, logits_fn, path, k=k, vocab_size=vocab, teacher="bench", logprob_codec=codec,
+                        samples_per_shard=8, micro_batch_size=micro_batch_size, progress=False)
+    reader = TopKCacheReader(path)
+    n, s = len(source), source.seq_length
+    kls = []
+    for i in range(n):
+        ids, logprobs = by_id(*exact[i])
+        sample = reader[i]
+        if not torch.equal(sample["teacher_ids"], ids):
+            raise AssertionError(f"sample {i}: stored ids differ from the teacher's top-K")
+        kls.append(ghost_kl(logprobs, sample["teacher_logprobs"]))
+    mass = np.concatenate([topk_statistics(reader.sample_arrays(i)[fmt.LOGPROBS])[0] for i in range(n)])
+    sizes = stored_bytes(path)
+    group = zarr.open_group(path, mode="r")
+    return dict(name=f"store: ids sorted+delta, log-probs {codec}", ids=sizes[fmt.IDS], lp=sizes[fmt.LOGPROBS],
+                total=sum(sizes.values()), kl=torch.cat(kls), over=float((mass > 1).mean()),
+                write=stats.tokens / (stats.total_seconds - stats.forward_seconds),
+                read=reader_rate(lambda i: reader[i], n, s),
+                zarr_read=reader_rate(lambda i: (group[fmt.IDS][i], group[fmt.LOGPROBS][i]), n, s))
+
+
+def print_table(title: str, rows: list[dict], tokens: int) -> None:
+    print(f"\n### {title}\n")
+    print("| candidate | ids B/tok | log-probs B/tok | store B/tok | vs raw | KL mean (nats) | KL max | "
+          "mass>1 | write tok/s (excl. forward) | reader tok/s | zarr array[i] tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    raw = rows[0]["total"]
+    for r in rows:
+        print(f"| {r['name']} | {r['ids'] / tokens:.1f} | {r['lp'] / tokens:.1f} | {r['total'] / tokens:.1f} | "
+              f"{raw / r['total']:.2f}x | {r['kl'].mean():.2e} | {r['kl'].max():.2e} | {r['over']:.3%} | "
+              f"{r['write']:,.0f} | {r['read']:,.0f} | {r['zarr_read']:,.0f} |")
+
+
+def teacher_source(args):
+    """(source, logits_fn, vocab, label) of a save_gpt teacher at TP=1 in this process."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
+    from megatron_kd_plugin.gpt import gpt_logits, load_gpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
+    apply_cpu_workarounds()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model, spec = load_gpt(args.teacher, tp_size=1)
+    model.eval()
+    source = indexed_dataset_windows(args.data, args.seq_length, num_samples=args.samples)
+    return source, (lambda tokens: gpt_logits(model, tokens).detach()), spec.vocab_size, f"teacher {args.teacher}"
+
+
+OVERHEAD_SPEC = dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=32768,
+                     seq_length=512)
+
+
+def overhead_runs(args) -> None:
+    """Random teacher + random indexed dataset, then the cache tool under torchrun at each TP size."""
+    import os
+    import subprocess
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, seed_model_parallel
+    from megatron_kd_plugin.gpt import GPTSpec, build_gpt, save_gpt
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_overhead_"))
+    try:
+        spec = GPTSpec(**(OVERHEAD_SPEC | dict(seq_length=args.seq_length)))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29582", RANK="0", WORLD_SIZE="1")
+        apply_cpu_workarounds()
+        dist.init_process_group("gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        seed_model_parallel(0)
+        save_gpt(build_gpt(spec, tp_size=1), spec, work / "teacher")
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        builder = IndexedDatasetBuilder(str(work / "data.bin"), dtype=np.int32)
+        tokens = np.random.default_rng(0).integers(0, spec.vocab_size, args.samples * args.seq_length + 1)
+        builder.add_document(tokens.astype(np.int32), [len(tokens)])
+        builder.finalize(str(work / "data.idx"))
+        print(f"teacher {spec}")
+        for tp in args.tp:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+                       str(pathlib.Path(__file__).parent / "cache_teacher_logits.py"), "--teacher",
+                       str(work / "teacher"), "--data", str(work / "data"), "--output", str(work / f"tp{tp}.zarr"),
+                       "--seq-length", str(args.seq_length), "--topk", str(args.k), "--tp", str(tp),
+                       "--micro-batch-size", str(args.micro_batch_size), "--no-progress"]
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
+            result = subprocess.run(command, env=env, capture_output=True, text=True)
+            lines = [line for line in result.stdout.splitlines() if line.startswith("[cache]")]
+            print(f"TP={tp}: " + (" | ".join(lines) if result.returncode == 0 else result.stderr[-2000:]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 201088])
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--teacher", default=None, help="save_gpt folder (with --data): measure a real teacher")
+    parser.add_argument("--data", default=None, help="indexed dataset prefix for --teacher")
+    parser.add_argument("--overhead", action="store_true", help="measure the cache tool against a plain forward")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for --overhead")
+    args = parser.parse_args()
+    if args.overhead:
+        overhead_runs(args)
+        return
+    torch.set_grad_enabled(False)
+    cases = []
+    if args.teacher:
+        cases.append(teacher_source(args))
+    else:
+        for vocab in args.vocab:
+            stream = np.random.default_rng(0).integers(0, vocab, args.samples * args.seq_length + 1)
+            source = TokenWindows(stream, args.seq_length, num_samples=args.samples, fingerprint="bench",
+                                  tokenizer="bench", tokenizer_vocab_size=vocab)
+            cases.append((source, synthetic_teacher(vocab), vocab, f"synthetic peaked teacher, V={vocab:,}"))
+    for source, logits_fn, vocab, label in cases:
+        work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_"))
+        try:
+            tokens = len(source) * source.seq_length
+            exact = exact_topk(source, logits_fn, args.k)
+            rows = baseline_rows(exact, args.k, work)
+            rows += [store_row(source, logits_fn, exact, args.k, vocab, codec, work, args.micro_batch_size)
+                     for codec in fmt.LOGPROB_CODECS]
+            mass, entropy = topk_statistics(torch.stack([e[1] for e in exact]).numpy())
+            print_table(f"{label}: K={args.k}, {len(source)} samples x {source.seq_length} tokens; teacher top-K "
+                        f"mass mean {mass.mean():.3f} (median {np.median(mass):.3f}), K+1-bucket entropy mean "
+                        f"{entropy.mean():.2f} nats", rows, tokens)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
