@@ -50,8 +50,10 @@ def _make_teacher_and_reference(folder, prefix, num_samples):
         return tokens, torch.log_softmax(gpt_logits(model, tokens[:, :-1]).double(), dim=-1).transpose(0, 1)
 
 
-def _cache_command(teacher, prefix, output, *extra, nproc=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def _cache_command(teacher, prefix, output, *extra, nproc=None):
+    """The tool's command line: under torchrun with ``nproc`` processes, else one plain process."""
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return launcher + [str(TOOL), "--teacher", str(teacher), "--data", prefix, "--output", str(output),
                        "--seq-length", str(S), "--topk", str(K), "--no-progress", *extra]
 

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import os
 import pathlib
+import socket
 import sys
 from datetime import timedelta
 
@@ -60,10 +61,11 @@ def init_distributed(tp: int, pp: int) -> None:
 
     if pp != 1:
         raise ValueError(f"--pp={pp}: pipeline parallelism is not supported by the cache tool; use --tp and DP")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    if "RANK" not in os.environ:             # a plain single process, not under torchrun
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     apply_cpu_workarounds()
     cuda = torch.cuda.is_available()
     if cuda:

@@ -64,30 +64,30 @@ def _barrier() -> None:
 
 
 def _on_rank0(fn, *args):
-    """Runs ``fn`` on global rank 0 and re-raises its error (as ValueError/OSError text) on every rank."""
+    """Runs ``fn`` on global rank 0; its ValueError/OSError is raised on every rank (no rank left waiting)."""
     rank, world = _world()
     outcome = [None]
     if rank == 0:
         try:
             fn(*args)
         except (ValueError, OSError) as exc:
-            outcome = [f"{type(exc).__name__}: {exc}"]
             if world == 1:
                 raise
+            outcome = [(isinstance(exc, OSError), str(exc))]
     if world > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise (OSError if outcome[0].startswith("OSError") else ValueError)(outcome[0].split(": ", 1)[1])
+        is_os_error, message = outcome[0]
+        raise (OSError if is_os_error else ValueError)(message)
 
 
 def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> None:
     """Creates the store, or keeps an existing one with exactly ``spec`` (resume); other settings need overwrite."""
     if output.exists():
         try:
-            existing = fmt.CacheSpec.from_attrs(dict(zarr.open_group(output, mode="r").attrs))
-            differences = spec.differences(existing)
+            differences = spec.differences(fmt.CacheSpec.from_attrs(dict(zarr.open_group(output, mode="r").attrs)))
         except Exception as exc:  # noqa: BLE001  (not a store of ours, whatever the reason)
-            existing, differences = None, {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
+            differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
         if not differences:
             return
         if not overwrite:
