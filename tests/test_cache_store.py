@@ -230,3 +230,21 @@ def test_spec_rejects_bad_values():
                 dict(logprob_codec="bf16"), dict(samples_per_shard=0)]:
         with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
             CacheSpec(**(good | bad))
+
+
+def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
+    from megatron_kd_plugin.cache.inspect import main, topk_statistics
+
+    write(tmp_path / "c")
+    assert main([str(tmp_path / "c"), "--plot", str(tmp_path / "h.png")]) == 0
+    out = capsys.readouterr().out
+    assert "complete: yes (11 samples)" in out and "teacher_ids" in out and "bytes/token" in out
+    assert "top-K mass" in out and "entropy" in out and (tmp_path / "h.png").stat().st_size > 0
+    mass, entropy = topk_statistics(np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.25, 0.125]])))
+    np.testing.assert_allclose(mass, [1.0, 0.875])
+    np.testing.assert_allclose(entropy, [1.5 * np.log(2), 1.375 * np.log(2) - 0.125 * np.log(0.125)])
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    group[fmt.SHARD_DONE][2] = 0
+    group.attrs.update(complete=False)
+    assert main([str(tmp_path / "c")]) == 0
+    assert "complete: NO — samples [8, 11) not written" in capsys.readouterr().out

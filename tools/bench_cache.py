@@ -12,7 +12,7 @@ mean and max over tokens, nats), the fraction of tokens whose decoded top-K mass
 excluding the teacher forward, and reader tokens/s (``TopKCacheReader[i]`` in random order, torch tensors) next
 to zarr's own ``array[i]`` for ids + log-probs.
 
-``--overhead`` saves a randomly initialised GPT teacher (``--overhead-spec``) and an indexed dataset of random
+``--overhead`` saves a randomly initialised GPT teacher (``--overhead-teacher``) and an indexed dataset of random
 tokens, runs ``tools/cache_teacher_logits.py`` on them under torchrun at each ``--tp`` and prints the tool's own
 report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes).
 
@@ -170,8 +170,10 @@ def teacher_source(args):
     return source, (lambda tokens: gpt_logits(model, tokens).detach()), spec.vocab_size, f"teacher {args.teacher}"
 
 
-OVERHEAD_SPEC = dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=32768,
-                     seq_length=512)
+OVERHEAD_SPECS = {   # teacher shapes for --overhead: GPT-2-small-like, and a narrower 8-layer one
+    "12x768": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, vocab_size=32768),
+    "8x512": dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=32768),
+}
 
 
 def overhead_runs(args) -> None:
@@ -188,7 +190,7 @@ def overhead_runs(args) -> None:
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_overhead_"))
     try:
-        spec = GPTSpec(**(OVERHEAD_SPEC | dict(seq_length=args.seq_length)))
+        spec = GPTSpec(**OVERHEAD_SPECS[args.overhead_teacher], seq_length=args.seq_length)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29582", RANK="0", WORLD_SIZE="1")
         apply_cpu_workarounds()
         dist.init_process_group("gloo")
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="indexed dataset prefix for --teacher")
     parser.add_argument("--overhead", action="store_true", help="measure the cache tool against a plain forward")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for --overhead")
+    parser.add_argument("--overhead-teacher", default="12x768", choices=sorted(OVERHEAD_SPECS),
+                        help="teacher shape for --overhead")
     args = parser.parse_args()
     if args.overhead:
         overhead_runs(args)
