@@ -112,7 +112,7 @@ def test_ghost_matches_megatron_core_peer():
     peer = cached_logits_loss.topk_kl_div(logits.clone(), case["teacher_logprobs"], case["teacher_ids"].long(),
                                           1, 0, None, add_ghost_token=True).t()   # [s, b]
     result, _, _ = run_loss(case, impl="fused")
-    assert rel_err(result.loss_sum, (peer * case["loss_mask"]).sum()) < 1e-9
+    assert rel_err(result.loss_sum, (peer * case["loss_mask"]).sum()) < 1e-6      # the peer computes in fp32
 
 
 def _explicit_loss(z, ids, logprobs, tail, divergence, tau, beta):

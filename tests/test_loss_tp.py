@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.distributed import run_on_ranks
 from tests.loss_cases import make_case, rel_err, run_loss
 
@@ -30,19 +28,15 @@ def _tp_case(k):
     return case
 
 
-def _tp_body(k: int):
-    """On each rank: every config at TP=size (plain and sequence-parallel) against the same config and the dense
-    reference at TP=1 on the full weight. Returns the worst relative errors."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+def _tp_body(group, rank: int, size: int, k: int) -> dict:
+    """On one rank of ``group``: every config at TP=size (plain and sequence-parallel) against the same config and
+    the dense reference at TP=1 on the full weight. Returns the worst relative error of each config."""
     case = _tp_case(k)
     shard = PADDED_VOCAB // size
     rows, seq = slice(rank * shard, (rank + 1) * shard), slice(rank * 4 // size, (rank + 1) * 4 // size)
     errors = {}
     for i, config in enumerate(CONFIGS):
-        chunk = dict(chunk_bytes=5 * shard * 8 * 2)             # chunks of ~5 tokens: T = 24 not divisible
+        chunk = dict(chunk_bytes=10 * shard * 8 * 2)            # chunks of 10 tokens: T = 24 not divisible
         ref, ref_dh, ref_dw = run_loss(case, **dict(config, impl="dense"))
         single, single_dh, single_dw = run_loss(case, **config, **chunk)
         got, dh, dw = run_loss(case, weight=case["weight"][rows], tp_group=group, **config, **chunk)
@@ -58,8 +52,22 @@ def _tp_body(k: int):
     return errors
 
 
-@pytest.mark.parametrize("tp,k", [(2, 9), (4, 14)])            # K=14 > V/tp=12 at TP=4
-def test_tensor_parallel_equals_single_process(tp, k):
-    for rank, errors in enumerate(run_on_ranks(tp, _tp_body, k)):
-        bad = {CONFIGS[i]["impl"] + str(i): e for i, e in errors.items() if not e < 1e-9}
-        assert not bad, f"rank {rank}: {bad}"
+def _tp2_and_tp4():
+    """4 ranks: TP=4 on megatron's tensor-parallel group (K=14 > V/tp=12), then TP=2 on two groups of our own
+    (K=9) — one spawn for both."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    tp4 = _tp_body(parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank(),
+                   parallel_state.get_tensor_model_parallel_world_size(), k=14)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]      # every rank creates every group, in order
+    tp2 = _tp_body(pairs[rank // 2], rank % 2, 2, k=9)
+    return {"tp4": tp4, "tp2": tp2}
+
+
+def test_tensor_parallel_equals_single_process():
+    for rank, result in enumerate(run_on_ranks(4, _tp2_and_tp4, tp=4)):
+        for name, errors in result.items():
+            bad = {CONFIGS[i]["impl"] + str(i): e for i, e in errors.items() if not e < 1e-9}
+            assert not bad, f"{name} rank {rank}: {bad}"
