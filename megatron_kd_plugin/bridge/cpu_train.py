@@ -4,7 +4,7 @@ Megatron-Bridge's training loop and megatron-core's schedules assume CUDA (``for
 allocates ``total_num_tokens`` on "cuda"), so on a machine without CUDA this loop drives the same pieces: it runs
 megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward_step_calc_loss`` contract: the
 3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
-gradients over data parallelism, clips them with megatron-core's TP-aware norm, and steps a plain
+gradients over data parallelism, clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
 ``torch.optim.AdamW`` under Bridge's learning-rate scheduler. It is not a second trainer: no checkpoints,
 evaluation, mixed precision or pipeline parallelism; on a GPU, ``tools/train_kd.py`` runs Bridge's ``pretrain()``.
 
@@ -28,7 +28,6 @@ from megatron.bridge.training.optim import _get_scheduler
 from megatron.bridge.training.state import GlobalState
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import get_model_config
@@ -66,6 +65,20 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str
         dist.all_reduce(pair, group=dp_group)
         metrics[key] = float(pair[0] / pair[1])
     return metrics
+
+
+def _clip_grad_norm(params, max_norm: float) -> float:
+    """Global L2 norm of the gradients (TP-duplicated parameters counted once), then scale them to ``max_norm``
+    if above (0: no clipping) — megatron-core's rule; its own functions allocate on "cuda"."""
+    squares = sum((p.grad.float() ** 2).sum() for p in params if param_is_not_tensor_parallel_duplicate(p))
+    squares = torch.as_tensor(squares, dtype=torch.float32)
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    norm = float(squares.sqrt())
+    coefficient = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coefficient < 1.0:
+        for p in params:
+            p.grad.mul_(coefficient)
+    return norm
 
 
 def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = True):
@@ -121,10 +134,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         for param in params:   # what DDP does: average gradients over data-parallel ranks
             dist.all_reduce(param.grad, group=dp_group)
             param.grad /= dp_size
-        grads_for_norm = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
-        grad_norm = get_grad_norm_fp32(grads_for_norm, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-        if opt.clip_grad > 0:
-            clip_grad_by_total_norm_fp32(params, opt.clip_grad, grad_norm)
+        grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step(increment=cfg.train.global_batch_size)
