@@ -149,7 +149,5 @@ def test_mini_pipeline_end_to_end_twice(tmp_path):
     assert (folder / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     table = (folder / "results.md").read_text()
     assert all(name in table for name in metrics)
-
-    again = _run_mini(folder)
-    assert again.returncode == 2 and "--overwrite" in again.stderr
+    assert main(["--preset", "mini", "--output", str(folder)]) == 2   # a finished run is not overwritten
     assert json.loads((folder / "metrics.json").read_text()) == results[0]

@@ -78,10 +78,11 @@ def dense_forward_step(teacher):
 
     def step(state, data_iterator, model):
         batch = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
+        position_ids, causal = causal_inputs(batch["tokens"])
         with torch.no_grad():
-            teacher_lp = torch.log_softmax(teacher(batch["tokens"], *causal_inputs(batch["tokens"])).float(), -1)
+            teacher_lp = torch.log_softmax(teacher(batch["tokens"], position_ids, causal).float(), -1)  # [b, s, V]
         context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), loss_mask=batch["loss_mask"].t())
-        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+        output = model(input_ids=batch["tokens"], position_ids=position_ids, attention_mask=causal,
                        labels=batch["labels"], output_processor=processor, output_processor_context=context)
         return output, loss_func
 
