@@ -64,36 +64,41 @@ def test_bad_arguments_raise(bad):
 CASES = [(k, ties, temperature) for k in (1, 5, 12, 30) for ties in (False, True) for temperature in (1.0, 0.5)]
 
 
-def _tp_topk_cases():
-    """On each rank: every case computed from this rank's vocab shard; returns the (identical?) results."""
+def _tp_topk_cases(tp_sizes):
+    """On each of 4 ranks, for each TP size: every case computed from this rank's vocab shard."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    out = []
-    for case, (k, ties, temperature) in enumerate(CASES):
-        full = make_logits(case, ties=ties)
-        if case == 3:
-            full[1, 2, V - 1] = float("nan")          # on the last rank's shard only
-        shard = full.chunk(tp, dim=-1)[rank]                                  # [s, b, V/tp]
-        out.append(vocab_parallel_topk(shard, k, temperature=temperature, tp_group=group))
-    return out
+    results = {}
+    for tp in tp_sizes:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        group = parallel_state.get_tensor_model_parallel_group()
+        rank = dist.get_rank(group)
+        results[tp] = []
+        for case, (k, ties, temperature) in enumerate(CASES):
+            full = make_logits(case, ties=ties)
+            if case == 3:
+                full[1, 2, V - 1] = float("nan")          # on the last rank's shard only
+            shard = full.chunk(tp, dim=-1)[rank]                                  # [s, b, V/tp]
+            results[tp].append(vocab_parallel_topk(shard, k, temperature=temperature, tp_group=group))
+    return results
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_topk_equals_gathered_topk(tp):
-    per_rank = run_on_ranks(tp, _tp_topk_cases)
-    for case, (k, ties, temperature) in enumerate(CASES):
-        full = make_logits(case, ties=ties)
-        ids, logprobs, lse = reference_topk(full, k, temperature)
-        finite = torch.ones(S, B, dtype=torch.bool)
-        if case == 3:
-            finite[1, 2] = False
-        for rank in range(tp):
-            top = per_rank[rank][case]
-            assert torch.equal(top.finite, finite), (tp, case, rank)
-            assert torch.equal(top.ids[finite], ids[finite]), (tp, case, rank)   # K >= V/tp for k=30 at TP=2/4
-            torch.testing.assert_close(top.logprobs.double()[finite], logprobs[finite], atol=5e-6, rtol=0)
-            torch.testing.assert_close(top.logsumexp.double()[finite], lse[finite], atol=5e-6, rtol=0)
-            assert torch.equal(top.ids, per_rank[0][case].ids)
+def test_vocab_parallel_topk_equals_gathered_topk_at_tp2_and_tp4():
+    per_rank = run_on_ranks(4, _tp_topk_cases, (2, 4))            # one spawn of 4 ranks, both TP sizes
+    for tp in (2, 4):
+        for case, (k, ties, temperature) in enumerate(CASES):
+            full = make_logits(case, ties=ties)
+            ids, logprobs, lse = reference_topk(full, k, temperature)
+            finite = torch.ones(S, B, dtype=torch.bool)
+            if case == 3:
+                finite[1, 2] = False
+            for rank in range(4):
+                top = per_rank[rank][tp][case]
+                assert torch.equal(top.finite, finite), (tp, case, rank)
+                # K >= V/tp for k=30 at TP=2 and TP=4
+                assert torch.equal(top.ids[finite], ids[finite]), (tp, case, rank)
+                torch.testing.assert_close(top.logprobs.double()[finite], logprobs[finite], atol=5e-6, rtol=0)
+                torch.testing.assert_close(top.logsumexp.double()[finite], lse[finite], atol=5e-6, rtol=0)
+                assert torch.equal(top.ids, per_rank[0][tp][case].ids)

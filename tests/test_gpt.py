@@ -45,50 +45,46 @@ def _full_logits(model):
         return tensor_parallel.gather_from_tensor_model_parallel_region(gpt_logits(model, TOKENS))  # [s, b, V]
 
 
-def _build_and_save(folder, tp):
-    """Fresh models (seeded) saved at this TP size; returns their full logits."""
-    from megatron_kd_plugin.cpu_compat import seed_model_parallel
-    from megatron_kd_plugin.gpt import build_gpt, save_gpt
+def _set_tp(tp):
+    from megatron.core import parallel_state
 
-    out = {}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _save_tp1_load_tp2_save_load_tp1(folder):
+    """On 2 ranks: build+save at TP=1 (DP=2), load+save at TP=2, load at TP=1; full logits of each phase."""
+    from megatron_kd_plugin.cpu_compat import seed_model_parallel
+    from megatron_kd_plugin.gpt import build_gpt, load_gpt, save_gpt
+
+    phases = {"built": {}, "tp2": {}, "back": {}}
+    _set_tp(1)
     for name, spec in SPECS.items():
         seed_model_parallel(7)
-        model = build_gpt(spec, tp_size=tp)
-        out[name] = _full_logits(model)
-        save_gpt(model, spec, f"{folder}/{name}")
-    return out
-
-
-def _load(folder, tp):
-    from megatron_kd_plugin.gpt import load_gpt
-
-    out = {}
+        model = build_gpt(spec, tp_size=1)
+        phases["built"][name] = _full_logits(model)
+        save_gpt(model, spec, f"{folder}/tp1/{name}")
+    _set_tp(2)
     for name, spec in SPECS.items():
-        model, loaded = load_gpt(f"{folder}/{name}", tp_size=tp)
+        model, loaded = load_gpt(f"{folder}/tp1/{name}", tp_size=2)
         assert loaded == spec
-        out[name] = _full_logits(model)
-    return out
-
-
-def _load_then_save(src, dst, tp):
-    from megatron_kd_plugin.gpt import load_gpt, save_gpt
-
-    out = _load(src, tp)
+        phases["tp2"][name] = _full_logits(model)
+        save_gpt(model, spec, f"{folder}/tp2/{name}")
+    _set_tp(1)
     for name in SPECS:
-        model, spec = load_gpt(f"{src}/{name}", tp_size=tp)
-        save_gpt(model, spec, f"{dst}/{name}")
-    return out
+        phases["back"][name] = _full_logits(load_gpt(f"{folder}/tp2/{name}", tp_size=1)[0])
+    return phases
 
 
 def test_checkpoints_move_between_tp_sizes(tmp_path):
-    saved_tp1 = run_on_ranks(1, _build_and_save, str(tmp_path / "tp1"), 1)[0]
-    at_tp2 = run_on_ranks(2, _load_then_save, str(tmp_path / "tp1"), str(tmp_path / "tp2"), 2)
-    back_at_tp1 = run_on_ranks(1, _load, str(tmp_path / "tp2"), 1)[0]
+    ranks = run_on_ranks(2, _save_tp1_load_tp2_save_load_tp1, str(tmp_path))     # one spawn, three phases
+    built = ranks[0]["built"]
     for name in SPECS:
-        assert saved_tp1[name].shape == (12, 2, 64)
-        assert torch.equal(at_tp2[0][name], at_tp2[1][name])
-        torch.testing.assert_close(at_tp2[0][name], saved_tp1[name], atol=1e-5, rtol=1e-5)
-        assert torch.equal(back_at_tp1[name], saved_tp1[name])   # TP=1 -> TP=2 -> TP=1 is lossless
+        assert built[name].shape == (12, 2, 64)
+        assert torch.equal(ranks[1]["built"][name], built[name])
+        assert torch.equal(ranks[0]["tp2"][name], ranks[1]["tp2"][name])
+        torch.testing.assert_close(ranks[0]["tp2"][name], built[name], atol=1e-5, rtol=1e-5)
+        assert torch.equal(ranks[0]["back"][name], built[name])   # TP=1 -> TP=2 -> TP=1 is lossless
     state_tp1 = torch.load(tmp_path / "tp1" / "swiglu-gqa-rms-tied" / "model.pt")
     state_tp2 = torch.load(tmp_path / "tp2" / "swiglu-gqa-rms-tied" / "model.pt")
     assert state_tp1.keys() == state_tp2.keys()

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,8 +150,21 @@ def _blosc(typesize: int, shuffle: str = "shuffle") -> BloscCodec:
     return BloscCodec(cname="zstd", clevel=5, shuffle=shuffle, typesize=typesize)
 
 
-def create_store(path, spec: CacheSpec) -> zarr.Group:
-    """A new, empty store at ``path`` (which must not exist) with the arrays of ``spec``, marked incomplete."""
+def create_store(path, spec: CacheSpec) -> None:
+    """A new, empty store at ``path`` (which must not exist) with the arrays of ``spec``, marked incomplete.
+
+    Built in a sibling folder and renamed into place, so a kill during creation never leaves a store without
+    its attributes at ``path`` (a leftover ``.NAME.creating`` folder is replaced by the next attempt).
+    """
+    path = pathlib.Path(path)
+    staging = path.with_name(f".{path.name}.creating")
+    if staging.exists():
+        shutil.rmtree(staging)
+    _create_arrays(staging, spec)
+    os.rename(staging, path)
+
+
+def _create_arrays(path: pathlib.Path, spec: CacheSpec) -> None:
     group = zarr.open_group(path, mode="w-", zarr_format=3)
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     codec = LOGPROB_CODECS[spec.logprob_codec]
@@ -167,7 +183,6 @@ def create_store(path, spec: CacheSpec) -> zarr.Group:
     group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=None,
                        fill_value=0, dimension_names=("shard",))
     group.attrs.update(spec.to_attrs() | dict(complete=False, progress=progress_attrs(0, spec)))
-    return group
 
 
 def progress_attrs(shards_done: int, spec: CacheSpec) -> dict[str, int]:
