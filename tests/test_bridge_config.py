@@ -97,3 +97,15 @@ def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "BEFORE: refused" in done.stdout and "AFTER: loaded" in done.stdout
+
+
+def test_launcher_lists_recipes_and_refuses_bad_input_with_a_message(capsys):
+    from tools.train_kd import main
+
+    assert main(["--list"]) == 0
+    assert set(capsys.readouterr().out.split()) == set(RECIPES)
+    assert main(["--recipe", "tiny_gpt_kd_cpu_fp32_config", "train.bogus=1"]) == 2
+    assert "train.bogus" in capsys.readouterr().err
+    assert main(["--recipe", "tiny_gpt_kd_cpu_fp32_config", "dataset.cache_path=/nonexistent.zarr"]) == 2
+    assert "not a teacher top-K cache" in capsys.readouterr().err
+    assert main([]) == 2

@@ -62,9 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         print("train_kd.py: --recipe NAME is required (--list shows them)", file=sys.stderr)
         return 2
     import torch
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
-    cfg = build_config(args.recipe, args.overrides, args.config_file)
+    from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+
+    try:
+        cfg = build_config(args.recipe, args.overrides, args.config_file)
+        check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
+    except (ValueError, OverridesError) as error:
+        print(f"train_kd.py: error: {error}", file=sys.stderr)
+        return 2
 
     if torch.cuda.is_available():
         from megatron.bridge.training.pretrain import pretrain   # imports nvidia-resiliency-ext: GPU machines only
