@@ -9,9 +9,11 @@ child process, differing only in their loss:
 
     ce            hard labels only (the fused loss at alpha = 0)
     dense         online KD: the teacher runs in the loop, forward KL to its full softmax over the whole
-                  vocabulary (the quality ceiling; no cache)
+                  vocabulary (the quality ceiling; no cache), alpha * KL + (1 - alpha) * CE
     top-K tail    the fused loss on the cache's K highest teacher log-probs, K in {1, 8, 32, 100}, tail in
-                  {ghost, none, renorm}, forward KL, alpha = 1
+                  {ghost, none, renorm}, forward KL, the same alpha
+
+alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
 Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with its
 training wall time and peak memory (resident set above the child's baseline before training, big allocations
@@ -55,8 +57,9 @@ def topk_forward_step(k: int):
     return step
 
 
-def dense_forward_step(teacher):
-    """Online KD: the teacher's full log-softmax on the fly; forward KL over the whole vocabulary (TP=1)."""
+def dense_forward_step(teacher, alpha: float):
+    """Online KD: the teacher's full log-softmax on the fly, forward KL over the whole vocabulary (TP=1), mixed
+    with hard-label CE like the fused loss: alpha * KL + (1 - alpha) * CE."""
     import torch
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
@@ -68,20 +71,24 @@ def dense_forward_step(teacher):
         hidden = copy_to_tensor_model_parallel_region(hidden_states)                    # [s, b, H]
         student = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)              # [s, b, V]
         teacher_lp = context["teacher_logprobs"]                                        # [s, b, V]
-        per_token = torch.sum(teacher_lp.exp() * (teacher_lp - student), dim=-1)        # [s, b]
+        kl = torch.sum(teacher_lp.exp() * (teacher_lp - student), dim=-1)               # [s, b]
+        ce = -student.gather(-1, context["labels"][..., None]).squeeze(-1)              # [s, b]
         mask = context["loss_mask"]
-        return torch.sum(per_token * mask), mask.sum().to(torch.int64)
+        return torch.sum(kl * mask), torch.sum(ce * mask), mask.sum().to(torch.int64)
 
     def loss_func(output):
-        loss_sum, num_tokens = output
-        return loss_sum, num_tokens.int(), {"kd loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+        kl_sum, ce_sum, num_tokens = output
+        count = num_tokens.float()
+        report = {"kd loss": torch.stack([kl_sum.detach(), count]), "lm loss": torch.stack([ce_sum.detach(), count])}
+        return alpha * kl_sum + (1 - alpha) * ce_sum, num_tokens.int(), report
 
     def step(state, data_iterator, model):
         batch = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
         position_ids, causal = causal_inputs(batch["tokens"])
         with torch.no_grad():
             teacher_lp = torch.log_softmax(teacher(batch["tokens"], position_ids, causal).float(), -1)  # [b, s, V]
-        context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), loss_mask=batch["loss_mask"].t())
+        context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), labels=batch["labels"].t(),
+                       loss_mask=batch["loss_mask"].t())
         output = model(input_ids=batch["tokens"], position_ids=position_ids, attention_mask=causal,
                        labels=batch["labels"], output_processor=processor, output_processor_context=context)
         return output, loss_func
@@ -95,7 +102,8 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None) -> dict:
+def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None,
+                alpha: float | None) -> dict:
     """Trains and evaluates one student (called in a child process); returns its row."""
     import torch
 
@@ -110,6 +118,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     cfg = PRESETS[preset]
     if student_steps is not None:
         cfg = dataclasses.replace(cfg, student_steps=student_steps)
+    if alpha is not None:
+        cfg = dataclasses.replace(cfg, kd_alpha=alpha)
     corpus = DemoCorpus.load(work / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     with single_process_megatron(cfg.seed):
@@ -118,14 +128,14 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         if variant == "dense":
             teacher, _ = load_gpt(work / "teacher", tp_size=1)
             teacher.eval()
-            step_func = dense_forward_step(teacher)
+            step_func = dense_forward_step(teacher, cfg.kd_alpha)
         elif variant == "ce":
             step_func = topk_forward_step(1)  # the KD term is weighted 0; one cached entry keeps the pass cheap
         else:
             k, tail = variant.removeprefix("top").split("-")
             step_func = topk_forward_step(int(k))
-        alpha = 0.0 if variant == "ce" else 1.0
-        overrides = student_overrides(cfg, work / "cache.zarr", vocab, work / "bench" / variant, alpha=alpha)
+        overrides = student_overrides(cfg, work / "cache.zarr", vocab, work / "bench" / variant,
+                                      alpha=0.0 if variant == "ce" else cfg.kd_alpha)
         if variant.startswith("top"):
             overrides.append(f"kd.tail={variant.split('-')[1]}")
         config = build_config(STUDENT_RECIPE, overrides)
@@ -139,7 +149,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         metrics = evaluate({variant: models[0]}, teacher, heldout, micro_batch_size=cfg.micro_batch_size,
                            desc=f"eval {variant}")
     final = history[-1]
-    return dict(variant=variant, **metrics[variant], teacher=metrics["teacher"], train_seconds=seconds,
+    return dict(variant=variant, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
+                student_steps=cfg.student_steps, train_seconds=seconds,
                 peak_mib=peak / 2**20, final_train_loss=final.get("kd loss", final.get("lm loss")),
                 threads=torch.get_num_threads())
 
@@ -216,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=pathlib.Path, help="a finished demo folder of the same preset")
     parser.add_argument("--overwrite", action="store_true", help="redo stages 1-3 and every variant")
     parser.add_argument("--student-steps", type=int, help="override the preset's student steps (<= its cache)")
+    parser.add_argument("--alpha", type=float, help="override the preset's kd_alpha for every KD student (dense too)")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = args.output
     if args.child:
-        row = run_variant(args.child, work, args.preset, args.student_steps)
+        row = run_variant(args.child, work, args.preset, args.student_steps, args.alpha)
         (work / "bench" / f"{args.child}.json").write_text(json.dumps(row, indent=1) + "\n")
         return 0
     prepare_work(work, args.preset, args.reuse, args.overwrite)
@@ -232,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         result = work / "bench" / f"{variant}.json"
         if args.overwrite or not result.exists():
             print(f"[bench] {variant}", flush=True)
-            steps = [] if args.student_steps is None else ["--student-steps", str(args.student_steps)]
+            extra = [] if args.student_steps is None else ["--student-steps", str(args.student_steps)]
+            extra += [] if args.alpha is None else ["--alpha", str(args.alpha)]
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
-                            "--child", variant, *steps], check=True, env=env, cwd=REPO_ROOT)
+                            "--child", variant, *extra], check=True, env=env, cwd=REPO_ROOT)
         rows.append(json.loads(result.read_text()))
     text = table(rows)
     (work / "results.md").write_text(text + "\n")
