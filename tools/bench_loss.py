@@ -78,7 +78,7 @@ def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, l
     from megatron_kd_plugin.loss import topk_kd_loss
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
 
-    chunk_bytes = args.chunk_bytes or DEFAULT_CHUNK_BYTES
+    chunk_bytes = args.chunk_bytes or DEFAULT_CHUNK_BYTES["cpu"]
     if variant.startswith("floor"):
         _floor(hidden, weight, max(1, chunk_bytes // (args.vocab * 4)), recompute=variant == "floor_4mm")
         return
@@ -105,7 +105,10 @@ def child(args) -> None:
     import gc
 
     import psutil
+    import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     inputs = _inputs(args, args.tokens)
     gc.collect()
     base = psutil.Process().memory_info().rss
@@ -122,6 +125,8 @@ def _spawn(variant, tokens, args) -> dict:
            "--vocab", str(args.vocab), "--k", str(args.k), "--dtype", args.dtype]
     if args.chunk_bytes:
         cmd += ["--chunk-bytes", str(args.chunk_bytes)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return dict(variant=variant, tokens=tokens, peak=float("nan"), seconds=float("nan"),
@@ -138,8 +143,9 @@ def _memory_model(args) -> None:
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
 
     t, h, v, k = GPT_OSS["tokens"], GPT_OSS["hidden"], GPT_OSS["vocab"], GPT_OSS["k"]
-    chunk = args.chunk_bytes or DEFAULT_CHUNK_BYTES
-    print(f"\nAnalytic memory model at gpt-oss shapes T={t:,} H={h} V={v:,} K={k} (fp32 gradients, GiB):")
+    chunk = args.chunk_bytes or DEFAULT_CHUNK_BYTES["cuda"]
+    print(f"\nAnalytic memory model at gpt-oss shapes T={t:,} H={h} V={v:,} K={k} (fp32 gradients, CUDA chunk "
+          f"budget {chunk / 2**20:.0f} MiB, GiB):")
     print(f"{'variant':<24}{'formula':<58}{'tp=1':>9}{'tp=8':>9}")
     rows = [
         ("dense (reference)", "~6 T V 4B (logits, log q, teacher grid, grads)", lambda vp: 6 * t * v * 4),
@@ -166,6 +172,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", default="4096,8192", help="extra T values for the memory-vs-T table ('' = none)")
     parser.add_argument("--sweep-variants", default="megatron_peer,forward_chunked,fused_recompute,"
                                                     "fused_grad_in_forward")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads in each child (default: torch's; 1 is steadier on a busy box)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -182,7 +190,8 @@ def main(argv=None) -> None:
         results[variant, tokens] = _spawn(variant, tokens, args)
 
     print(f"Top-K KD loss, forward + backward: T={args.tokens} H={args.hidden} V={args.vocab} K={args.k} "
-          f"{args.dtype}, {os.cpu_count()} cores, torch threads default")
+          f"{args.dtype}, {os.cpu_count()} cores, torch threads {args.threads or 'default'}, load average "
+          f"{os.getloadavg()[0]:.1f}")
     dense = results.get(("dense", args.tokens))
     print(f"{'variant':<24}{'peak GiB':>9}{'time s':>9}{'peak/dense':>12}{'time/dense':>12}{'time/floor':>12}")
     for variant in variants:

@@ -26,9 +26,9 @@ class LossPlan:
     with_labels: bool
     """Whether the CE term is formed."""
 
-    def chunk_tokens(self, bytes_per_token: int) -> int:
+    def chunk_tokens(self, bytes_per_token: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's working buffers fit the byte budget (at least 1)."""
-        return max(1, self.options.budget_bytes // max(1, bytes_per_token))
+        return max(1, self.options.budget_bytes(device) // max(1, bytes_per_token))
 
     @property
     def vocab_buffers(self) -> int:

@@ -31,8 +31,8 @@ class SavedCoefs(NamedTuple):
     ce_dense_coef: torch.Tensor | None  # [T]
 
 
-def _chunks(plan: LossPlan, num_tokens: int, vocab_local: int):
-    step = plan.chunk_tokens(vocab_local * plan.vocab_buffers * torch.finfo(plan.dtype).bits // 8)
+def _chunks(plan: LossPlan, num_tokens: int, vocab_local: int, device: torch.device):
+    step = plan.chunk_tokens(vocab_local * plan.vocab_buffers * torch.finfo(plan.dtype).bits // 8, device)
     return (slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step))
 
 
@@ -70,7 +70,7 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
         saved = SavedCoefs(t_vec, torch.empty_like(t_vec), batch.weight.new_empty(num_tokens, k),
                            torch.empty_like(t_vec), torch.empty_like(t_vec) if with_full else None)
     vocab_local = plan.shard.vocab_end - plan.shard.vocab_start
-    for rows in _chunks(plan, num_tokens, vocab_local):
+    for rows in _chunks(plan, num_tokens, vocab_local, batch.weight.device):
         z = logits_chunk(rows)                                                # [c, V/tp] raw r
         if tau != 1.0:
             z.mul_(1.0 / tau)
@@ -111,7 +111,7 @@ def backward_pass(plan: LossPlan, batch: KDBatch, saved: SavedCoefs, grad_scale:
     tau = plan.options.temperature
     with_full = saved.ce_dense_coef is not None
     vocab_local = plan.shard.vocab_end - plan.shard.vocab_start
-    for rows in _chunks(plan, batch.local_ids.shape[0], vocab_local):
+    for rows in _chunks(plan, batch.local_ids.shape[0], vocab_local, batch.weight.device):
         z = logits_chunk(rows)
         if tau != 1.0:
             z.mul_(1.0 / tau)
