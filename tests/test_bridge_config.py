@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
+from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
