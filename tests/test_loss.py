@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.loss_cases import COMBOS, make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
+from tests.test_loss_helpers import COMBOS, make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

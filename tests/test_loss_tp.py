@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.distributed import run_on_ranks
-from tests.loss_cases import make_case, rel_err, run_loss
+from tests.test_loss_helpers import make_case, rel_err, run_loss
 
 REAL_VOCAB, PADDED_VOCAB = 45, 48                  # megatron pads the vocab to a multiple of tp (x 128 in practice)
 

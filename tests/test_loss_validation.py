@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_kd_plugin.loss import KDLossOptions, topk_kd_loss
-from tests.loss_cases import make_case, one_thread  # noqa: F401 (fixture)
+from tests.test_loss_helpers import make_case, one_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

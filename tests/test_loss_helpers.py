@@ -1,4 +1,4 @@
-"""Shared inputs and references for the loss tests (importable by spawned ranks)."""
+"""Shared inputs, references and fixtures of the loss tests (no tests here; importable by spawned ranks)."""
 
 from __future__ import annotations
 
