@@ -140,7 +140,29 @@ def tp1_body(store):
                   "optimizer.lr=1e-3", "optimizer.min_lr=1e-3")[1],
     }
     return {"history": reference, "params": gathered_parameters(reference_model), "check": check,
-            "alpha_half": alpha_half, "ablations": ablations}
+            "alpha_half": alpha_half, "ablations": ablations, "real_recipes": validate_real_recipes()}
+
+
+def validate_real_recipes() -> dict[str, int]:
+    """Bridge's own ``runtime_config_update`` (mixed precision, DP size, ``cfg.validate()``) accepts the Qwen3
+    recipes at their world sizes; the KD store check is skipped (no 32K Qwen3 cache here)."""
+    from unittest import mock
+
+    import megatron.bridge.training.config as bridge_config
+    from megatron.bridge.training.config import runtime_config_update
+
+    import megatron_kd_plugin.bridge.config as kd_config
+    from recipes import RECIPES
+
+    data_parallel = {}
+    for name, world_size in (("qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config", 1),
+                             ("qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config", 8)):
+        with mock.patch.object(bridge_config, "get_world_size_safe", lambda: world_size), \
+                mock.patch.object(kd_config, "check_kd_config", lambda cfg: None):
+            cfg = RECIPES[name]()
+            runtime_config_update(cfg)
+        data_parallel[name] = cfg.data_parallel_size
+    return data_parallel
 
 
 def tp2_body(store):
@@ -191,6 +213,11 @@ def test_alpha_below_one_reports_lm_loss(runs):
     row = runs[0]["alpha_half"][0]
     assert {"kd loss", "lm loss"} <= row.keys()
     assert math.isclose(row["loss"], 0.5 * row["kd loss"] + 0.5 * row["lm loss"], rel_tol=1e-5), row
+
+
+def test_bridge_accepts_the_real_model_recipes(runs):
+    assert runs[0]["real_recipes"] == {"qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config": 1,
+                                       "qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config": 2}
 
 
 def test_one_store_serves_other_architectures_and_seq_lengths(runs):
