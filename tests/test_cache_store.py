@@ -248,3 +248,21 @@ def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
     group.attrs.update(complete=False)
     assert main([str(tmp_path / "c")]) == 0
     assert "complete: NO — samples [8, 11) not written" in capsys.readouterr().out
+
+
+def loader_for_test(path, tp_size):
+    """A --teacher-loader target: returns what it was called with."""
+    return ("model", str(path), tp_size)
+
+
+def test_cli_teacher_loader_hook_and_its_vocab_requirement(tmp_path):
+    import argparse
+
+    from megatron_kd_plugin.cache.cli import load_teacher
+
+    args = argparse.Namespace(teacher=str(tmp_path), teacher_loader="tests.test_cache_store:loader_for_test",
+                              vocab_size=77, tp=2, seq_length=8)
+    model, vocab, identity = load_teacher(args)
+    assert model == ("model", str(tmp_path), 2) and vocab == 77 and identity.startswith(f"{tmp_path.name}:sha256=")
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        load_teacher(argparse.Namespace(**(vars(args) | dict(vocab_size=None))))

@@ -74,8 +74,11 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
     ends = index.sequence_pointers + index.sequence_lengths.astype(np.int64) * index.dtype_size
     if len(ends) and (index.sequence_pointers[0] != 0 or np.any(index.sequence_pointers[1:] != ends[:-1])):
         raise ValueError(f"{prefix}.bin does not store its documents back to back")
+    total = int(index.sequence_lengths.sum())
+    if total == 0:
+        raise ValueError(f"indexed dataset {prefix} holds no tokens")
     # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
-    stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(int(index.sequence_lengths.sum()),))
+    stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
     return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=file_digest(paths),
                         tokenizer=tokenizer, tokenizer_vocab_size=None)
 
