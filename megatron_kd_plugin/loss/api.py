@@ -8,7 +8,7 @@ from .dense import dense_topk_kl
 from .forward_chunked import forward_chunked_topk_kl
 from .fused import fused_topk_kl
 from .options import KDLossOptions, KDLossResult
-from .plan import LossPlan, prepare_batch
+from .plan import LossPlan, prepare_batch, use_triton_kernels
 from .renorm_rows import renorm_rows_topk_kl
 from .tp import hidden_to_tp_region, resolve_shard
 from .validate import check_shapes, check_values
@@ -18,7 +18,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
                  teacher_logprobs: torch.Tensor, *, loss_mask: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None, tail: str = "ghost", divergence: str = "forward_kl",
                  jsd_beta: float = 0.5, temperature: float = 1.0, alpha: float = 1.0, impl: str = "fused",
-                 mode: str = "recompute", chunk_bytes: int | None = None, tp_group=None,
+                 mode: str = "recompute", kernels: str = "auto", chunk_bytes: int | None = None, tp_group=None,
                  sequence_parallel: bool = False, validate: bool = True,
                  mass_tolerance: float = 1e-2) -> KDLossResult:
     """Top-K knowledge-distillation loss of a student lm_head against a cached teacher top-K, summed over tokens.
@@ -29,11 +29,12 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids; needed iff
     alpha < 1; when given, CE is formed and reported). The options are those of ``KDLossOptions``; the math is in
     ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels takes the K-rows fast path.
+    ``kernels`` picks the fused loss's per-chunk backend (Triton kernels or PyTorch; see ``KDLossOptions``).
     Every TP rank returns the same sums (like megatron's vocab-parallel cross entropy); hidden's gradient is
     all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings.
     """
     options = KDLossOptions(tail=tail, divergence=divergence, jsd_beta=jsd_beta, temperature=temperature,
-                            alpha=alpha, impl=impl, mode=mode, chunk_bytes=chunk_bytes, validate=validate,
+                            alpha=alpha, impl=impl, mode=mode, kernels=kernels, chunk_bytes=chunk_bytes, validate=validate,
                             mass_tolerance=mass_tolerance)
     shard = resolve_shard(tp_group, weight.shape[0])
     check_shapes(hidden, weight, teacher_ids, teacher_logprobs, loss_mask, labels, options, shard, sequence_parallel)
@@ -53,11 +54,14 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
                              loss_mask.reshape(-1), None if labels is None else labels.reshape(-1), options, shard,
                              dtype)
     else:
-        plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=labels is not None)
+        rows_path = options.tail == "renorm" and labels is None
+        triton = options.impl == "fused" and not rows_path and use_triton_kernels(options.kernels, hidden2d)
+        plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=labels is not None, triton=triton,
+                        logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None)
         batch = prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, labels)
         if options.impl == "forward_chunked":
             sums = forward_chunked_topk_kl(hidden2d, weight, plan, batch)
-        elif options.tail == "renorm" and labels is None:
+        elif rows_path:
             sums = renorm_rows_topk_kl(hidden2d, weight, plan, batch)
         else:
             sums = fused_topk_kl(hidden2d, weight, plan, batch)

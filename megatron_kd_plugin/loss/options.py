@@ -11,6 +11,7 @@ TAILS = ("ghost", "none", "renorm")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 IMPLS = ("fused", "forward_chunked", "dense")
 MODES = ("recompute", "grad_in_forward")
+KERNELS = ("auto", "torch", "triton")
 
 DEFAULT_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 512 * 2**20}
 
@@ -47,6 +48,14 @@ class KDLossOptions:
     produced during forward and only scaled by the incoming gradient in backward: no recompute, more memory
     held between forward and backward: dX [T, H] and dW [V/tp, H])."""
 
+    kernels: str = "auto"
+    """Fused only: who does the per-chunk vocab work (row max / sum-exp, top-K gather, logits gradient).
+    ``triton``: the kernels of ``megatron_kd_plugin.kernels`` (chunk GEMMs in the input dtype, e.g. bf16 logits and
+    gradient with fp32 accumulation; fp32 math inside the kernels; ValueError if Triton cannot run here or the
+    inputs are float64); ``torch``: the PyTorch chunk pieces in the accumulation dtype; ``auto``: Triton when the
+    inputs are on CUDA (or on CPU under ``TRITON_INTERPRET=1``), not float64, and triton is importable, else torch.
+    The references and the renorm K-rows fast path ignore it."""
+
     chunk_bytes: int | None = None
     """Byte budget of the per-chunk working buffers ([c, V/tp] fp32 logits/gradient, or [c, K, H] rows in the renorm
     fast path); the chunk size c in tokens is derived from it. None: ``DEFAULT_CHUNK_BYTES`` of the device
@@ -60,7 +69,8 @@ class KDLossOptions:
     """How far the teacher's top-K mass may exceed 1 (rounding of fp16 log-probs) before it is an error."""
 
     def __post_init__(self):
-        for name, allowed in (("tail", TAILS), ("divergence", DIVERGENCES), ("impl", IMPLS), ("mode", MODES)):
+        for name, allowed in (("tail", TAILS), ("divergence", DIVERGENCES), ("impl", IMPLS), ("mode", MODES),
+                               ("kernels", KERNELS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected one of {allowed}")

@@ -25,15 +25,33 @@ class LossPlan:
     """Accumulation dtype: float64 for float64 inputs, else float32."""
     with_labels: bool
     """Whether the CE term is formed."""
+    triton: bool = False
+    """Fused loss: the chunks go through the Triton kernels (``options.kernels`` resolved by ``use_triton_kernels``)."""
+    logits_dtype: torch.dtype | None = None
+    """dtype of the [c, V/tp] logits chunk (the chunk GEMM's output); None: ``dtype``."""
 
-    def chunk_tokens(self, bytes_per_token: int, device: torch.device) -> int:
-        """Tokens per chunk so that the chunk's working buffers fit the byte budget (at least 1)."""
+    def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
+        """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the
+        logits chunk (Triton: in ``logits_dtype``, gradient written in place), or E plus E1 for CE at tau != 1
+        (PyTorch: in ``dtype``)."""
+        if self.triton:
+            bytes_per_token = vocab_local * (self.logits_dtype or self.dtype).itemsize
+        else:
+            buffers = 2 if self.with_labels and self.options.temperature != 1.0 else 1
+            bytes_per_token = vocab_local * buffers * self.dtype.itemsize
         return max(1, self.options.budget_bytes(device) // max(1, bytes_per_token))
 
-    @property
-    def vocab_buffers(self) -> int:
-        """[c, V/tp] buffers a vocab chunk needs: E, plus E1 for CE at tau != 1."""
-        return 2 if self.with_labels and self.options.temperature != 1.0 else 1
+
+def use_triton_kernels(kernels: str, hidden: torch.Tensor) -> bool:
+    """Resolve ``KDLossOptions.kernels`` for inputs like ``hidden``; ValueError where ``triton`` cannot run."""
+    from megatron_kd_plugin.kernels import use_triton
+
+    if hidden.dtype == torch.float64:
+        if kernels == "triton":
+            raise ValueError("kernels='triton' with float64 inputs: the kernels compute in fp32; use "
+                             "kernels='torch' (or 'auto') for float64")
+        return False
+    return use_triton(hidden, kernels)
 
 
 class KDBatch(NamedTuple):

@@ -1,0 +1,178 @@
+"""The per-chunk vocab work of the chunk loop, behind one interface with two backends: PyTorch and Triton.
+
+For one chunk of c tokens with raw logits r [c, V/tp] (``token_math`` for the names), the loop calls, in order:
+
+    chunk = backend.load(r, rows)
+    M = MAX-all-reduce(chunk.local_max())                                 # [c] max_j z_j, z = r / tau
+    partials = SUM-all-reduce(chunk.partial_sums(M))                      # [c, 1 + K (+1) (+1)]: E_tail, g, r_y, S1
+    coefs = backend.coefs(rows, token_terms(...), partials)               # ChunkCoefs, linear in d loss
+    grad = chunk.logits_grad_(M, coefs)                                   # [c, V/tp] d loss / d r, in r's buffer
+
+Backward in ``recompute`` mode repeats ``load`` and ``logits_grad_`` with the saved M and scaled coefficients.
+
+``TorchChunks`` (``chunk_ops``): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the support in
+place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1), gradient
+dr = dense E + ce_dense E1 + scatter(support) + scatter(label).
+``TritonChunks`` (``megatron_kd_plugin.kernels``, math in ``kernels/reference.py``): r stays in its dtype (bf16 on
+GPU). ``chunk_row_stats(r, [support | label], 1/tau, exclude=support)`` gives the local max, the off-support
+sum-exp and the gathered z, rescaled to the global M before the SUM all-reduce (a second
+``chunk_row_stats(r, -, 1)`` gives S1 for CE at tau != 1); ``chunk_logit_grad_`` writes
+dr = dense exp(z - M) + ce_dense exp(r - tau M) + scatter(support') + scatter(label) over the whole row, where
+support' = support - dense exp(g - M) cancels the dense term the kernel also writes at the support ids.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .chunk_ops import exp_off_support_, gather_local, logits_grad_
+from .plan import KDBatch, LossPlan
+from .token_math import TokenPartials, TokenTerms
+
+
+class ChunkCoefs(NamedTuple):
+    """d loss / d r of a chunk as per-token coefficients (linear in the loss: backward scales them)."""
+
+    dense: torch.Tensor             # [c] coefficient of exp(z - M) (off the support for torch, everywhere for triton)
+    support: torch.Tensor           # [c, K] added at the support ids
+    label: torch.Tensor | None      # [c] added at the label id (None without labels)
+    ce_dense: torch.Tensor | None   # [c] coefficient of exp(r - tau M) (CE at tau != 1)
+
+    def rows(self, rows: slice) -> ChunkCoefs:
+        """The coefficients of tokens ``rows``."""
+        return ChunkCoefs(*(None if t is None else t[rows] for t in self))
+
+    def scaled(self, scale: torch.Tensor) -> ChunkCoefs:
+        """Every coefficient times ``scale`` (the incoming gradient)."""
+        return ChunkCoefs(*(None if t is None else t * scale for t in self))
+
+
+class _TorchChunk:
+    """One chunk on the PyTorch pieces; r is a writable buffer in the accumulation dtype."""
+
+    def __init__(self, plan: LossPlan, batch: KDBatch, r: torch.Tensor, rows: slice):
+        self.plan, self.batch, self.rows = plan, batch, rows
+        self.z = r.mul_(1.0 / plan.options.temperature) if plan.options.temperature != 1.0 else r   # [c, V/tp]
+        self.exp = None
+
+    def local_max(self) -> torch.Tensor:
+        return self.z.amax(-1)                                               # [c]
+
+    def _exp_buffers(self, row_max: torch.Tensor):
+        """(E off the support, in place of z; E1 = exp(tau (z - M)) over the whole vocab for CE at tau != 1)."""
+        plan, batch, rows = self.plan, self.batch, self.rows
+        with_full = plan.with_labels and plan.options.temperature != 1.0
+        full = ((self.z - row_max[:, None]) * plan.options.temperature).exp_() if with_full else None
+        return exp_off_support_(self.z, row_max, batch.local_ids[rows], batch.local_valid[rows]), full
+
+    def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
+        batch, rows = self.batch, self.rows
+        columns = [gather_local(self.z, batch.local_ids[rows], batch.local_valid[rows])]     # [c, K] g
+        if self.plan.with_labels:
+            columns.append(gather_local(self.z, batch.local_label[rows, None], batch.label_local[rows, None])
+                           * self.plan.options.temperature)
+        self.exp = self._exp_buffers(row_max)
+        exp_off, exp_full = self.exp
+        if exp_full is not None:
+            columns.append(exp_full.sum(-1, keepdim=True))
+        columns.insert(0, exp_off.sum(-1, keepdim=True))
+        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1)]
+
+    def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
+        plan, batch, rows = self.plan, self.batch, self.rows
+        exp_off, exp_full = self.exp if self.exp is not None else self._exp_buffers(row_max)
+        zero = exp_off.new_zeros(())
+        local_label = label_local = None
+        if plan.with_labels:
+            local_label = batch.local_label[rows]
+            label_local = torch.where(batch.label_local[rows], coefs.label, zero)
+        support_local = torch.where(batch.local_valid[rows], coefs.support, zero)
+        return logits_grad_(exp_off, coefs.dense, batch.local_ids[rows], support_local, local_label, label_local,
+                            exp_full, coefs.ce_dense)
+
+
+class TorchChunks:
+    """The PyTorch backend (any device, any float dtype; the numerics of the reference path)."""
+
+    def __init__(self, plan: LossPlan, batch: KDBatch):
+        self.plan, self.batch = plan, batch
+
+    def load(self, r: torch.Tensor, rows: slice) -> _TorchChunk:
+        return _TorchChunk(self.plan, self.batch, r, rows)
+
+    def coefs(self, rows: slice, terms: TokenTerms, partials: TokenPartials) -> ChunkCoefs:
+        label = terms.label_grad if self.plan.with_labels else None
+        return ChunkCoefs(terms.dense_coef, terms.support_grad, label, terms.ce_dense_coef)
+
+
+class _TritonChunk:
+    """One chunk on the Triton kernels; r [c, V/tp] in its own dtype, overwritten by the gradient."""
+
+    def __init__(self, backend: TritonChunks, r: torch.Tensor, rows: slice):
+        self.backend, self.r, self.rows = backend, r, rows
+        self.stats = self.ce_stats = None
+
+    def local_max(self) -> torch.Tensor:
+        from megatron_kd_plugin.kernels import chunk_row_stats
+
+        backend, rows = self.backend, self.rows
+        tau = backend.plan.options.temperature
+        self.stats = chunk_row_stats(self.r, backend.ids[rows], 1.0 / tau, exclude=backend.support_ids[rows],
+                                     kernels="triton")
+        if backend.with_full:
+            self.ce_stats = chunk_row_stats(self.r, backend.ids[rows, :0], 1.0, kernels="triton")
+        return self.stats[0].clone()                                         # [c] local max, kept for the rescale
+
+    def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
+        plan = self.backend.plan
+        k = self.backend.support_ids.shape[1]
+        local_max, sum_exp, gathered = (t.to(plan.dtype) for t in self.stats)   # [c], [c], [c, K (+1)]
+        columns = [(sum_exp * (local_max - row_max).exp())[:, None], gathered[:, :k]]
+        if plan.with_labels:
+            columns.append(gathered[:, k:] * plan.options.temperature)
+        if self.ce_stats is not None:
+            ce_max, ce_sum_exp = self.ce_stats[0].to(plan.dtype), self.ce_stats[1].to(plan.dtype)
+            columns.append((ce_sum_exp * (ce_max - plan.options.temperature * row_max).exp())[:, None])
+        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1)]
+
+    def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
+        from megatron_kd_plugin.kernels import chunk_logit_grad_
+
+        tau = self.backend.plan.options.temperature
+        sparse = coefs.support if coefs.label is None else torch.cat([coefs.support, coefs.label[:, None]], -1)
+        with_ce = coefs.ce_dense is not None
+        return chunk_logit_grad_(self.r, row_max, tau * coefs.dense, self.backend.ids[self.rows], tau * sparse,
+                                 1.0 / tau, ce_lse=tau * row_max if with_ce else None,
+                                 ce_coef=coefs.ce_dense if with_ce else None, kernels="triton")
+
+
+class TritonChunks:
+    """The Triton backend (CUDA, or CPU under ``TRITON_INTERPRET=1``): local ids with -1 where not on this shard."""
+
+    def __init__(self, plan: LossPlan, batch: KDBatch):
+        self.plan, self.batch = plan, batch
+        self.with_full = plan.with_labels and plan.options.temperature != 1.0
+        self.support_ids = torch.where(batch.local_valid, batch.local_ids, -1)             # [T, K]
+        self.ids = self.support_ids
+        if plan.with_labels:
+            label = torch.where(batch.label_local, batch.local_label, -1)
+            self.ids = torch.cat([self.support_ids, label[:, None]], -1)                # [T, K + 1]
+
+    def load(self, r: torch.Tensor, rows: slice) -> _TritonChunk:
+        return _TritonChunk(self, r, rows)
+
+    def coefs(self, rows: slice, terms: TokenTerms, partials: TokenPartials) -> ChunkCoefs:
+        """The kernel writes the dense term at the support ids too: subtract it from their coefficients there."""
+        valid = self.batch.local_valid[rows]
+        support_exp = torch.where(valid, (partials.support_logits - partials.row_max[:, None]).exp(),
+                                  partials.row_max.new_zeros(()))                      # [c, K] exp(g - M)
+        support = terms.support_grad - terms.dense_coef[:, None] * support_exp
+        label = terms.label_grad if self.plan.with_labels else None
+        return ChunkCoefs(terms.dense_coef, support, label, terms.ce_dense_coef)
+
+
+def chunk_backend(plan: LossPlan, batch: KDBatch) -> TorchChunks | TritonChunks:
+    """The backend ``plan.triton`` selects."""
+    return TritonChunks(plan, batch) if plan.triton else TorchChunks(plan, batch)

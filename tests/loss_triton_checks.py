@@ -1,0 +1,120 @@
+"""The fused loss on the Triton kernels (collected through tests/test_loss_triton.py): loss, dX and dW against the
+float64 dense reference for every tail x divergence, CE mix at tau != 1, both modes, masked rows, and at TP=2.
+
+On CPU this module must run in a process that had TRITON_INTERPRET=1 before triton was first imported (see
+tests/test_kernels.py); the PyTorch chunk backend is made to raise, so a silent fallback fails the checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_kd_plugin.kernels import reference
+from megatron_kd_plugin.loss.chunk_backends import TorchChunks
+from tests.distributed import run_on_ranks
+from tests.test_loss_helpers import COMBOS, make_case, rel_err, run_loss
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB = 45                                  # odd; crosses the interpreter's 32-column tiles and 48-column splits
+SHAPE = dict(s=3, b=5, hidden_size=11, vocab=VOCAB, k=5)
+CHUNK = dict(chunk_bytes=4 * VOCAB * 4)     # fp32 logits: chunks of 4 tokens, T = 15 not divisible
+OPTIONS = [dict(temperature=1.0, alpha=1.0), dict(temperature=1.7, alpha=0.4, with_labels=True, jsd_beta=0.3)]
+
+
+@pytest.fixture(autouse=True)
+def no_torch_chunks(monkeypatch):
+    """Any use of the PyTorch chunk backend (or the kernels' PyTorch reference) is an error here."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch chunk path ran")
+    monkeypatch.setattr(TorchChunks, "load", refuse)
+    monkeypatch.setattr(reference, "chunk_row_stats", refuse)
+    monkeypatch.setattr(reference, "chunk_logit_grad_", refuse)
+
+
+def _on_device(case, dtype):
+    low = {k: v.to(DEVICE) for k, v in case.items()}
+    low["hidden"], low["weight"] = case["hidden"].to(dtype).to(DEVICE), case["weight"].to(dtype).to(DEVICE)
+    exact = dict(low, hidden=low["hidden"].double(), weight=low["weight"].double())   # the same rounded inputs
+    return low, exact
+
+
+def _errors(low, exact, options, modes=("recompute", "grad_in_forward"), **extra):
+    """Worst relative error of loss, dX, dW, kd/ce sums and the student's top-K mass, over ``modes``."""
+    ref, ref_dh, ref_dw = run_loss(exact, impl="dense", **options)
+    assert ref.loss_sum.abs() > 0 and ref_dh.abs().max() > 0 and ref_dw.abs().max() > 0, options
+    worst = 0.0
+    for mode in modes:
+        got, dh, dw = run_loss(low, impl="fused", mode=mode, kernels="triton", **options, **extra)
+        assert dh.dtype == low["hidden"].dtype and dw.dtype == low["weight"].dtype
+        errors = [rel_err(got.loss_sum, ref.loss_sum), rel_err(dh, ref_dh), rel_err(dw, ref_dw),
+                  rel_err(got.kd_sum, ref.kd_sum), rel_err(got.student_topk_mass_sum, ref.student_topk_mass_sum)]
+        if options.get("with_labels"):
+            errors.append(rel_err(got.ce_sum, ref.ce_sum))
+        worst = max(worst, *errors)
+    return worst
+
+
+@pytest.mark.parametrize("tail,divergence", COMBOS)
+def test_triton_fused_matches_dense_float64(tail, divergence):
+    """fp32 inputs, chunks of 4 tokens, duplicate ids, padding slots, a fully masked sequence, 20% masked tokens.
+    (renorm without labels takes the K-rows fast path, which has no vocab chunks: only its CE mix runs here.)"""
+    low, exact = _on_device(make_case(**SHAPE), torch.float32)
+    for options in OPTIONS:
+        if tail == "renorm" and not options.get("with_labels"):
+            continue
+        options = dict(options, tail=tail, divergence=divergence)
+        assert _errors(low, exact, options, **CHUNK) < 2e-5, options
+
+
+def test_triton_fused_bf16_inputs():
+    """bf16 X and W: bf16 logits chunks and gradient, fp32 accumulation of dX and dW (bf16 rounding bound)."""
+    low, exact = _on_device(make_case(**SHAPE), torch.bfloat16)
+    options = dict(tail="ghost", divergence="forward_kl", temperature=1.7, alpha=0.4, with_labels=True)
+    assert _errors(low, exact, options, chunk_bytes=4 * VOCAB * 2) < 1.5e-2
+
+
+def test_triton_choice_is_resolved():
+    """auto picks Triton here (interpreter or CUDA), float64 inputs fall back to torch under auto and are refused
+    under triton."""
+    low, exact = _on_device(make_case(**SHAPE), torch.float32)
+    options = dict(tail="ghost", divergence="reverse_kl", temperature=1.3)
+    with pytest.raises(AssertionError, match="PyTorch chunk path ran"):
+        run_loss(low, impl="fused", kernels="torch", **options)      # the guard catches the torch path...
+    run_loss(low, impl="fused", **options)                           # ...auto does not take it...
+    with pytest.raises(AssertionError, match="PyTorch chunk path ran"):
+        run_loss(exact, impl="fused", **options)                     # ...but takes it for float64
+    with pytest.raises(ValueError, match="float64"):
+        run_loss(exact, impl="fused", kernels="triton", **options)
+
+
+def _tp2_body():
+    """One rank of TP=2: the Triton fused loss on this rank's vocab shard (a padded vocab) equals the float64 dense
+    reference on the full weight. Returns the worst relative error."""
+    from megatron.core import parallel_state
+
+    from megatron_kd_plugin.kernels import use_triton
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    case = make_case(s=2, b=5, hidden_size=11, vocab=48, teacher_vocab=45, k=6, seed=3)
+    low, exact = _on_device(case, torch.float32)
+    assert use_triton(low["hidden"], "auto")
+    rows = slice(rank * 24, (rank + 1) * 24)
+    worst = 0.0
+    for options in (dict(tail="ghost", divergence="jsd", temperature=1.7, alpha=0.4, with_labels=True),
+                    dict(tail="none", divergence="forward_kl", temperature=0.7, alpha=0.6, with_labels=True)):
+        ref, ref_dh, ref_dw = run_loss(exact, impl="dense", **options)
+        for mode in ("recompute", "grad_in_forward"):
+            got, dh, dw = run_loss(low, weight=low["weight"][rows], tp_group=group, impl="fused", mode=mode,
+                                   kernels="triton", chunk_bytes=4 * 24 * 4, **options)
+            worst = max(worst, rel_err(got.loss_sum, ref.loss_sum), rel_err(dh, ref_dh),
+                        rel_err(dw, ref_dw[rows]), rel_err(got.ce_sum, ref.ce_sum))
+    return worst
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the gloo harness runs on CPU; GPU TP is megatron's own NCCL setup")
+def test_triton_fused_tp2_matches_dense():
+    """TP=2 over gloo with the interpreted kernels (the spawned ranks inherit TRITON_INTERPRET=1)."""
+    worst = run_on_ranks(2, _tp2_body)
+    assert max(worst) < 2e-5, worst

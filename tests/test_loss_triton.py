@@ -1,0 +1,38 @@
+"""The fused loss on the Triton kernels (tests/loss_triton_checks.py), in a process where Triton can run them.
+
+On CUDA (or when this process started with TRITON_INTERPRET=1) the checks run here. On CPU otherwise they run in
+ONE fresh process with TRITON_INTERPRET=1 set before triton is imported (tests/test_kernels.py says why).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.loss_triton_checks import *  # noqa: F401,F403  (pytest collects the imported test functions)
+else:
+    def test_triton_fused_loss_in_an_interpreter_process():
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
+                              "tests/test_loss_triton.py"], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+        assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]
+
+    def test_kernels_triton_without_triton_runtime_is_a_clear_error():
+        """CPU tensors without the interpreter: kernels='triton' refuses, kernels='auto' takes the PyTorch path."""
+        from megatron_kd_plugin.loss import topk_kd_loss
+        from tests.test_loss_helpers import make_case
+
+        case = make_case(s=2, b=3, vocab=20, k=3, dtype=torch.float32)
+        args = (case["hidden"], case["weight"], case["teacher_ids"], case["teacher_logprobs"])
+        with pytest.raises(ValueError, match="kernels='triton' cannot run on cpu"):
+            topk_kd_loss(*args, kernels="triton")
+        auto = topk_kd_loss(*args, kernels="auto").loss_sum
+        assert torch.equal(auto, topk_kd_loss(*args, kernels="torch").loss_sum)
