@@ -148,11 +148,9 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
         metrics = evaluate({variant: models[0]}, teacher, heldout, micro_batch_size=cfg.micro_batch_size,
                            desc=f"eval {variant}")
-    final = history[-1]
     return dict(variant=variant, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
                 student_steps=cfg.student_steps, train_seconds=seconds,
-                peak_mib=peak / 2**20, final_train_loss=final.get("kd loss", final.get("lm loss")),
-                threads=torch.get_num_threads())
+                peak_mib=peak / 2**20, threads=torch.get_num_threads())
 
 
 def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, overwrite: bool) -> None:
