@@ -103,6 +103,7 @@ def test_labels():
     (dict(divergence="kl"), "divergence='kl': expected one of"),
     (dict(impl="triton"), "impl='triton': expected one of"),
     (dict(mode="lazy"), "mode='lazy': expected one of"),
+    (dict(kernels="cuda"), "kernels='cuda': expected one of"),
     (dict(temperature=0.0), "temperature=0.0: expected > 0"),
     (dict(alpha=1.5), "alpha=1.5: expected 0 <= alpha <= 1"),
     (dict(jsd_beta=1.0), "jsd_beta=1.0: expected 0 < jsd_beta < 1"),

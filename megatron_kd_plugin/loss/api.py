@@ -34,8 +34,8 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings.
     """
     options = KDLossOptions(tail=tail, divergence=divergence, jsd_beta=jsd_beta, temperature=temperature,
-                            alpha=alpha, impl=impl, mode=mode, kernels=kernels, chunk_bytes=chunk_bytes, validate=validate,
-                            mass_tolerance=mass_tolerance)
+                            alpha=alpha, impl=impl, mode=mode, kernels=kernels, chunk_bytes=chunk_bytes,
+                            validate=validate, mass_tolerance=mass_tolerance)
     shard = resolve_shard(tp_group, weight.shape[0])
     check_shapes(hidden, weight, teacher_ids, teacher_logprobs, loss_mask, labels, options, shard, sequence_parallel)
     if loss_mask is None:
