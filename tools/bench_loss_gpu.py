@@ -17,13 +17,12 @@ GB/s (the stats read the chunk once; the gradient reads and writes it once).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import time
 
 import torch
 
-VARIANTS = (("dense", "dense", None), ("forward_chunked", "forward_chunked", None),
+VARIANTS = (("dense", "dense", "torch"), ("forward_chunked", "forward_chunked", "torch"),
             ("fused_torch", "fused", "torch"), ("fused_triton", "fused", "triton"))
 
 
@@ -87,13 +86,12 @@ def _inputs(T, V, args, device):
 
 
 def _loss_step(inputs, impl, kernels, args):
-    """One forward + backward; ``kernels`` is passed on only where given (None: an option the loss may lack)."""
+    """One forward + backward; ``kernels`` (the fused loss's chunk backend) is ignored by the references."""
     from megatron_kd_plugin.loss import topk_kd_loss
 
     hidden, weight, teacher_ids, teacher_logprobs = inputs
-    extra = {} if kernels is None else {"kernels": kernels}
     result = topk_kd_loss(hidden, weight, teacher_ids, teacher_logprobs, impl=impl, mode=args.mode,
-                          chunk_bytes=args.chunk_bytes, validate=False, **extra)
+                          kernels=kernels, chunk_bytes=args.chunk_bytes, validate=False)
     result.loss_sum.backward()
     hidden.grad = weight.grad = None
 
@@ -127,11 +125,6 @@ def _chunk_pipeline_step(inputs, args, with_kernels):
         d_weight.addmm_(grad.t(), x[rows])
 
 
-def _has_kernels_option() -> bool:
-    from megatron_kd_plugin.loss import topk_kd_loss
-    return "kernels" in inspect.signature(topk_kd_loss).parameters
-
-
 def _predicted(last, T, reps):
     """Seconds the next run (warm-up + reps) should take, scaled linearly in T from the last one (0 if none)."""
     return 0.0 if last is None else last[1] * T / last[0] * (reps + 1)
@@ -148,7 +141,6 @@ def _time(step, device, reps):
 
 def _loss_table(args, device, started):
     rows = []
-    has_kernels = _has_kernels_option()
     last = {}  # (variant, V) -> (T, seconds per call) of the last run, to predict the next one
     for V in args.vocab:
         for T in args.tokens:
@@ -156,15 +148,13 @@ def _loss_table(args, device, started):
             inputs = _inputs(T, V, args, device)
             elem = inputs[0].element_size()
             floor = (T * args.hidden + V * args.hidden) * elem + T * args.k * 8  # dX + dW + teacher ids/log-probs
-            runs = [(name, lambda i=impl, k=kernels if has_kernels else None: _loss_step(inputs, i, k, args))
+            runs = [(name, lambda i=impl, k=kernels: _loss_step(inputs, i, k, args))
                     for name, impl, kernels in VARIANTS]
             runs += [("chunks_gemm_only", lambda: _chunk_pipeline_step(inputs, args, False)),
                      ("chunks_gemm_kernels", lambda: _chunk_pipeline_step(inputs, args, True))]
             for name, step in runs:
                 row = {"variant": name, "T": T, "V": V}
-                if name == "fused_triton" and not has_kernels:
-                    row["note"] = "n/a: topk_kd_loss has no kernels= option yet"
-                elif time.perf_counter() - started + _predicted(last.get((name, V)), T, args.reps) > args.budget_s:
+                if time.perf_counter() - started + _predicted(last.get((name, V)), T, args.reps) > args.budget_s:
                     row["note"] = "skipped: time budget"
                 else:
                     try:

@@ -5,7 +5,8 @@
 #    pytest; whatever is missing is installed from WHEEL_DIR with `pip install --no-index` (into .venv, created
 #    over the system's packages, when that Python is not a venv). If WHEEL_DIR cannot provide it, it prints the
 #    wheels to put there and how to download them, and stops;
-# 2. runs the kernel tests on the GPU (compiled Triton kernels, no interpreter);
+# 2. runs the kernel tests and the Triton fused-loss tests on the GPU (compiled Triton kernels, no interpreter;
+#    bf16 chunk GEMMs with fp32 dX/dW through cuBLAS's out_dtype);
 # 3. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
 #    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor).
 # Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md (the tables).
@@ -72,8 +73,9 @@ export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 unset TRITON_INTERPRET
 cd "$repo" || exit 5
 status=0
-echo "== kernel tests on the GPU ($(($(date +%s) - started)) s)"
-timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py || status=$?
+echo "== kernel and Triton fused-loss tests on the GPU ($(($(date +%s) - started)) s)"
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py \
+  tests/test_loss_triton.py || status=$?
 left=$((460 - ($(date +%s) - started)))  # the benchmark gets what is left of ~7.7 minutes
 echo "== loss benchmark ($(($(date +%s) - started)) s; ${left} s left for it)"
 timeout "$left" "$py" tools/bench_loss_gpu.py --budget-s $((left - 60)) --out "$out/loss_gpu.md" || status=$?
