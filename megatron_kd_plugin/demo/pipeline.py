@@ -78,7 +78,7 @@ class DemoConfig:
     teacher_lr: float = 3e-3
     """Teacher peak learning rate."""
     student_lr: float = 3e-3
-    """Students' peak learning rate."""
+    """Students' learning rate (the tiny CPU recipe's schedule: warm-up, then constant)."""
     topk: int = 100
     """Teacher top-K cached per token."""
     kd_alpha: float = 0.5
@@ -105,7 +105,8 @@ class DemoConfig:
 
 PRESETS = {
     "default": DemoConfig(),
-    # the quality benchmark's size: ~20 minutes for data, teacher, cache and 14 students on 2 busy cores
+    # the quality benchmark's size (docs/demo.md: ~40 minutes for data, teacher, cache and 14 students here,
+    # on 2 cores shared with other jobs)
     "small": DemoConfig(
         corpus=CorpusConfig(vocab_size=2048, train_bytes=3_000_000, heldout_bytes=400_000),
         seq_length=128,
