@@ -82,11 +82,12 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
 
 
 def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Scale (grad_in_forward) in place and cast to the input's dtype."""
+    """Scale (grad_in_forward) in place and cast to the input's dtype. A half ``grad`` is scaled in fp32 (a 0-dim
+    fp32 ``scale`` keeps the op's math in fp32) and rounded once."""
     if grad is None:
         return None
     if scale is not None:
-        grad.mul_(scale.to(grad.dtype))
+        grad.mul_(scale if grad.dtype in (torch.float16, torch.bfloat16) else scale.to(grad.dtype))
     return grad.to(dtype)
 
 
