@@ -67,6 +67,16 @@ def test_triton_fused_matches_dense_float64(tail, divergence):
         assert _errors(low, exact, options, **CHUNK) < 1e-5, options
 
 
+def test_triton_fused_k_equals_v():
+    """K = V: the support covers the vocab (every column excluded from the tail sum, the ghost tail bucket absent),
+    chunks of 1 token."""
+    low, exact = _on_device(make_case(s=2, b=3, hidden_size=11, vocab=20, k=20, duplicates=False, padding=False),
+                            torch.float32)
+    for tail, divergence in (("ghost", "forward_kl"), ("ghost", "jsd"), ("none", "forward_kl")):
+        options = dict(tail=tail, divergence=divergence, temperature=1.3, alpha=0.5, with_labels=True)
+        assert _errors(low, exact, options, chunk_bytes=1) < 1e-5, options
+
+
 def test_triton_fused_bf16_inputs():
     """bf16 X and W: bf16 logits chunks and gradient, fp32 accumulation of dX and dW (bf16 rounding bound)."""
     low, exact = _on_device(make_case(**SHAPE), torch.bfloat16)
