@@ -5,7 +5,8 @@ the PyTorch chunk backend; the inputs' dtype, e.g. bf16, with the Triton kernels
 gradient G_c in place, then dX_c = G_c W and dW += G_c^T X_c. ``recompute`` keeps only
 per-token coefficients (T*K) and recomputes r_c in backward (4 products per chunk); ``grad_in_forward`` forms
 dX and dW during forward and only scales them in backward (3 products). Peak extra memory
-~ c * V/tp * 4 B (x2 for CE at tau != 1) + dX (T*H) + dW (V/tp*H), flat in T apart from dX.
+~ c * V/tp * 4 B (x2 for CE at tau != 1; Triton: one chunk in the inputs' dtype) + dX (T*H) + dW (V/tp*H, fp32),
+flat in T apart from dX. The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.kernels``).
 """
 
 from __future__ import annotations
