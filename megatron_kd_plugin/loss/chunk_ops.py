@@ -1,8 +1,9 @@
 """Stateless per-chunk pieces over a [c, V/tp] fp32 logits buffer; each is one kernel's worth of work.
 
 They are the PyTorch chunk backend's (``chunk_backends.TorchChunks``); the Triton backend does the same work with
-``megatron_kd_plugin.kernels``. Index inputs are this rank's: ``local_ids`` [c, K] int64 in [0, V/tp) and ``local_valid`` [c, K] bool
-(the slot's id lies in this shard and is a bucket); slots that are not local carry a clamped, unused index.
+``megatron_kd_plugin.kernels``. Index inputs are this rank's: ``local_ids`` [c, K] int64 in [0, V/tp) and
+``local_valid`` [c, K] bool (the slot's id lies in this shard and is a bucket); slots that are not local carry a
+clamped, unused index.
 """
 
 from __future__ import annotations
