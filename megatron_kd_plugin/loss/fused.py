@@ -56,10 +56,14 @@ def _gemm_dtype(plan: LossPlan, hidden: torch.Tensor, weight: torch.Tensor) -> t
     return torch.promote_types(hidden.dtype, weight.dtype) if plan.triton else plan.dtype
 
 
-def _d_hidden_dtype(plan: LossPlan, gemm_dtype: torch.dtype) -> torch.dtype:
-    """dX's buffer: each row is written once by a full-shard GEMM (fp32 accumulation inside cuBLAS), so the Triton
-    path writes it in the GEMM dtype; dW sums over chunks and stays in the accumulation dtype."""
-    return gemm_dtype if plan.triton else plan.dtype
+def _grad_buffers(plan: LossPlan, hidden: torch.Tensor, work_weight: torch.Tensor, need_dx: bool, need_dw: bool):
+    """Zeroed dX [T, H] and dW [V/tp, H] (None where not needed). dW sums over chunks: the accumulation dtype. dX
+    rows are each written once by a full-shard GEMM (fp32 accumulation inside cuBLAS), so the Triton path writes
+    them in the GEMM dtype."""
+    d_hidden_dtype = work_weight.dtype if plan.triton else plan.dtype
+    d_hidden = hidden.new_zeros(hidden.shape, dtype=d_hidden_dtype) if need_dx else None
+    d_weight = torch.zeros_like(work_weight, dtype=plan.dtype) if need_dw else None
+    return d_hidden, d_weight
 
 
 class _FusedTopKKL(torch.autograd.Function):
@@ -74,8 +78,7 @@ class _FusedTopKKL(torch.autograd.Function):
         ctx.plan, ctx.batch, ctx.saved_coefs = plan, batch, None
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         if plan.options.mode == "grad_in_forward" and (need_dx or need_dw):
-            d_hidden = hidden.new_zeros(hidden.shape, dtype=_d_hidden_dtype(plan, dtype)) if need_dx else None
-            d_weight = torch.zeros_like(work_weight, dtype=plan.dtype) if need_dw else None
+            d_hidden, d_weight = _grad_buffers(plan, hidden, work_weight, need_dx, need_dw)
             totals, _ = forward_pass(plan, batch, logits_chunk,
                                      _grad_sink(hidden, work_weight, d_hidden, d_weight, dtype), keep_coefs=False)
             ctx.grads = (d_hidden, d_weight)
@@ -100,8 +103,7 @@ class _FusedTopKKL(torch.autograd.Function):
             plan = ctx.plan
             dtype = _gemm_dtype(plan, hidden, weight)
             work_weight = weight.to(dtype)
-            d_hidden = hidden.new_zeros(hidden.shape, dtype=_d_hidden_dtype(plan, dtype)) if ctx.needs_input_grad[0] else None
-            d_weight = torch.zeros_like(work_weight, dtype=plan.dtype) if ctx.needs_input_grad[1] else None
+            d_hidden, d_weight = _grad_buffers(plan, hidden, work_weight, *ctx.needs_input_grad[:2])
             backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_loss.to(plan.dtype),
                           _logits_source(hidden, work_weight, dtype),
                           _grad_sink(hidden, work_weight, d_hidden, d_weight, dtype))
