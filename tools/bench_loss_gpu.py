@@ -10,8 +10,9 @@ X_c Wᵀ, G W, Gᵀ X_c, + the recompute product in mode "recompute") and ``chun
 two kernels on every chunk: the Triton fused loss minus its [c, K] token math and collectives). Columns: ms,
 TFLOP/s counting 6·T·H·V, peak memory above the inputs (torch.cuda.max_memory_allocated) and its ratio to the
 analytic floor of the loss head (dX + dW in the inputs' dtype + the per-token teacher state). Out-of-memory runs
-and runs the time budget cannot afford are reported as such. Table 2: ``chunk_row_stats`` and ``chunk_logit_grad_`` on one [c, Vp] bf16 chunk, Triton vs PyTorch, ms and
-GB/s (the stats read the chunk once; the gradient reads and writes it once).
+and runs the time budget cannot afford are reported as such. Table 2: ``chunk_row_stats`` and ``chunk_logit_grad_``
+on one [c, Vp] bf16 chunk, Triton vs PyTorch, ms and GB/s (the stats read the chunk once; the gradient reads and
+writes it once).
 """
 
 from __future__ import annotations
