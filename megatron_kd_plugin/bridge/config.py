@@ -39,6 +39,8 @@ class KDConfig:
     """``fused`` (the product) | ``forward_chunked`` | ``dense`` (reference only: builds [T, V])."""
     mode: str = _DEFAULTS.mode
     """``recompute`` | ``grad_in_forward`` (fused only)."""
+    kernels: str = _DEFAULTS.kernels
+    """``auto`` | ``torch`` | ``triton``: who does the fused loss's per-chunk vocab work."""
     chunk_bytes: int | None = _DEFAULTS.chunk_bytes
     """Per-chunk working-buffer budget in bytes; None: the loss's default."""
     validate: bool = _DEFAULTS.validate
