@@ -8,23 +8,16 @@ cannot call those.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+from tests.triton_interpreter import interpreter_active, run_module_interpreted
+
+if interpreter_active():
     from tests.kernel_checks import *  # noqa: F401,F403  (pytest collects the imported test functions)
 else:
     def test_kernel_checks_in_an_interpreter_process():
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
-                              "tests/test_kernels.py"], cwd=repo, env=env, capture_output=True, text=True,
-                             timeout=600)
-        assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+        run_module_interpreted("tests/test_kernels.py")
 
     def test_interpreter_switched_on_too_late_is_a_clear_error(monkeypatch):
         import triton.language  # noqa: F401  (built for compilation, as megatron-core's import does)

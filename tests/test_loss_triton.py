@@ -6,24 +6,17 @@ ONE fresh process with TRITON_INTERPRET=1 set before triton is imported (tests/t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+from tests.triton_interpreter import interpreter_active, run_module_interpreted
+
+if interpreter_active():
     from tests.loss_triton_checks import *  # noqa: F401,F403  (pytest collects the imported test functions)
 else:
     def test_triton_fused_loss_in_an_interpreter_process():
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
-                              "tests/test_loss_triton.py"], cwd=repo, env=env, capture_output=True, text=True,
-                             timeout=600)
-        assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
-        assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]
+        run_module_interpreted("tests/test_loss_triton.py")
 
     def test_kernels_triton_without_triton_runtime_is_a_clear_error():
         """CPU tensors without the interpreter: kernels='triton' refuses, kernels='auto' takes the PyTorch path."""
