@@ -86,9 +86,7 @@ class _FusedTopKKL(torch.autograd.Function):
             totals, ctx.saved_coefs = forward_pass(plan, batch, logits_chunk, None, keep_coefs=need_dx or need_dw)
             ctx.save_for_backward(hidden, weight)
             ctx.grads = None
-        loss_sum, kd_sum, ce_sum, mass_sum = loss_totals(plan, totals)
-        ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum)
-        return loss_sum, kd_sum, ce_sum, mass_sum
+        return loss_totals(ctx, plan, totals)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):

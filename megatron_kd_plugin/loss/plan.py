@@ -91,9 +91,11 @@ def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: to
     return grad.to(dtype)
 
 
-def loss_totals(plan: LossPlan, totals: torch.Tensor):
-    """[kd_sum, ce_sum, mass_sum] -> (loss_sum, kd_sum, ce_sum, mass_sum) as fp32 scalars (float64 for float64)."""
+def loss_totals(ctx, plan: LossPlan, totals: torch.Tensor):
+    """[kd_sum, ce_sum, mass_sum] -> (loss_sum, kd_sum, ce_sum, mass_sum) as fp32 scalars (float64 for float64),
+    the outputs of every loss Function's forward; only loss_sum is differentiable (``ctx`` is that Function's)."""
     options = plan.options
-    kd_sum, ce_sum, mass_sum = totals.unbind()
+    kd_sum, ce_sum, mass_sum = (t.clone() for t in totals.unbind())
     loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
-    return loss_sum, kd_sum.clone(), ce_sum.clone(), mass_sum.clone()
+    ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum)
+    return loss_sum, kd_sum, ce_sum, mass_sum
