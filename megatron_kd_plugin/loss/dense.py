@@ -1,5 +1,7 @@
 """Dense top-K KD, the reference: full logits [T, V] (gathered over TP), the teacher expanded into a [T, V] grid,
 the loss written from its definition on the grid and differentiated by autograd. Memory ~ 5-6 T*V tensors.
+``tail="sampled"``: the grid holds the importance-weighted estimate P^ of the teacher (weights of repeated draws
+summed) and f = sum_k w_k l_k - sum_v P^_v log q_v.
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, 
     return log_p, support, mass, tail, tail_present & (options.tail == "ghost")
 
 
+@torch.no_grad()
+def _sampled_grid(teacher_ids, teacher_logprobs, sample_weights, shape, dtype):
+    """(P^ [T, V]: the summed weights of each drawn id, sum_k w_k l_k [T]); a slot is drawn when l > -inf, w > 0."""
+    weights = torch.where((teacher_logprobs > -torch.inf) & (sample_weights > 0), sample_weights.to(dtype), 0.0)
+    p_hat = torch.zeros(shape, dtype=dtype, device=teacher_ids.device).scatter_add_(-1, teacher_ids, weights)
+    return p_hat, torch.where(weights > 0, weights * teacher_logprobs, 0.0).sum(-1)
+
+
 def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
                   teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, labels: torch.Tensor | None,
-                  options: KDLossOptions, shard: VocabShard, dtype: torch.dtype):
-    """hidden [T, H] (mapped into the TP region), weight [V/tp, H], teacher [T, K], loss_mask/labels [T]
-    -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
-    tau, alpha = options.temperature, options.alpha
+                  options: KDLossOptions, shard: VocabShard, dtype: torch.dtype,
+                  sample_weights: torch.Tensor | None = None):
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H], teacher [T, K] (and sample_weights [T, K] for
+    tail="sampled"), loss_mask/labels [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
+    tau = options.temperature
     logits = hidden.to(dtype) @ weight.to(dtype).t()                         # [T, V/tp]
     if shard.group is not None:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -57,6 +68,13 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         ce_sum = (weights * torch.where(loss_mask != 0, ce, 0.0)).sum()
     log_q = (logits if tau == 1.0 else logits / tau).log_softmax(-1)         # [T, V] student log q
     del logits
+    if options.tail == "sampled":
+        p_hat, cross = _sampled_grid(teacher_ids.long(), teacher_logprobs.to(dtype), sample_weights, log_q.shape,
+                                     dtype)
+        kd = cross - (p_hat * log_q).sum(-1)
+        with torch.no_grad():
+            student_mass = torch.where(p_hat > 0, log_q.exp(), 0.0).sum(-1)
+        return _sums(kd, student_mass, ce_sum, loss_mask, options)
     log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs.to(dtype),
                                                                log_q.shape, options, dtype)
     has_support = support.any(-1)
@@ -70,8 +88,14 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         log_tail_q = torch.where(tail_present, tail_q, 1.0).log()
         kd = kd + bucket_divergence(tail_p[:, None], log_tail_q[:, None], tail_present[:, None],
                                     options.divergence, options.jsd_beta)
-    counted = (loss_mask != 0) & (has_support | (options.tail != "renorm"))
-    kd_sum = (weights * torch.where(counted, kd, 0.0)).sum()
-    mass_sum = torch.where(loss_mask != 0, student_mass, 0.0).sum()
-    loss_sum = alpha * tau ** 2 * kd_sum + (1.0 - alpha) * ce_sum
+    return _sums(torch.where(has_support | (options.tail != "renorm"), kd, 0.0), student_mass, ce_sum, loss_mask,
+                 options)
+
+
+def _sums(kd, student_mass, ce_sum, loss_mask, options: KDLossOptions):
+    """Per-token kd [T] and student mass [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum) over counted tokens."""
+    counted = loss_mask != 0
+    kd_sum = (loss_mask.to(kd.dtype) * torch.where(counted, kd, 0.0)).sum()
+    mass_sum = torch.where(counted, student_mass, 0.0).sum()
+    loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
     return loss_sum, kd_sum.detach(), ce_sum.detach(), mass_sum

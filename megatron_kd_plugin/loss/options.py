@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-TAILS = ("ghost", "none", "renorm")
+TAILS = ("ghost", "none", "renorm", "sampled")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 IMPLS = ("fused", "forward_chunked", "dense")
 MODES = ("recompute", "grad_in_forward")
@@ -23,7 +23,9 @@ class KDLossOptions:
     tail: str = "ghost"
     """Treatment of the teacher's mass outside its top-K: ``ghost`` (one extra bucket holding 1 - m for the teacher
     and 1 - s for the student), ``none`` (sparse KL over the K ids against the full-vocab student softmax) or
-    ``renorm`` (both distributions renormalised over the K ids; needs only the K rows W[I])."""
+    ``renorm`` (both distributions renormalised over the K ids; needs only the K rows W[I]); ``sampled``: the slots are
+    ids drawn from the teacher with importance weights (``sample_weights``), an unbiased estimate of the full KL
+    (``forward_kl`` at temperature 1 only)."""
 
     divergence: str = "forward_kl"
     """``forward_kl`` KL(P || Q), ``reverse_kl`` KL(Q || P) or ``jsd`` (generalised Jensen-Shannon, ``jsd_beta``),
@@ -78,6 +80,11 @@ class KDLossOptions:
             raise ValueError(f"tail='none' supports only divergence='forward_kl', got divergence={self.divergence!r}: "
                              "the teacher's mass outside its top-K is unknown, so the student's side of "
                              "reverse KL / JSD cannot be formed; use tail='ghost' or 'renorm'")
+        if self.tail == "sampled" and (self.divergence != "forward_kl" or self.temperature != 1.0):
+            raise ValueError(f"tail='sampled' supports only divergence='forward_kl' and temperature=1.0, got "
+                             f"divergence={self.divergence!r}, temperature={self.temperature!r}: the importance "
+                             "weights estimate the teacher at the cache temperature, and reverse KL / JSD / "
+                             "tempering need the teacher's mass where nothing was drawn; use a top-K tail for those")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"jsd_beta={self.jsd_beta!r}: expected 0 < jsd_beta < 1")
         if not self.temperature > 0.0:
@@ -111,4 +118,5 @@ class KDLossResult(NamedTuple):
     """Detached: sum over tokens of s = sum_k q(I_k) under the student at temperature tau (NaN on the renorm
     K-rows fast path, which never forms the full-vocab normaliser)."""
     teacher_topk_mass_sum: torch.Tensor
-    """Detached: sum over tokens of the teacher's (untempered) top-K mass m = sum_k exp(l_k)."""
+    """Detached: sum over tokens of the teacher's (untempered) top-K mass m = sum_k exp(l_k) (``sampled``: the mass of
+    the distinct drawn ids, each counted once)."""

@@ -66,12 +66,14 @@ class KDBatch(NamedTuple):
 
 
 def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
-                  loss_mask: torch.Tensor, labels: torch.Tensor | None) -> KDBatch:
+                  loss_mask: torch.Tensor, labels: torch.Tensor | None,
+                  sample_weights: torch.Tensor | None = None) -> KDBatch:
     """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab)."""
     k = teacher_ids.shape[-1]
     options, shard = plan.options, plan.shard
     teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(plan.dtype),
-                              tail=options.tail, temperature=options.temperature, vocab_size=shard.vocab_size)
+                              tail=options.tail, temperature=options.temperature, vocab_size=shard.vocab_size,
+                              sample_weights=None if sample_weights is None else sample_weights.reshape(-1, k))
     local_ids, local_valid = shard_local(teacher.ids, teacher.valid, shard.vocab_start, shard.vocab_end)
     local_label = label_local = None
     if labels is not None:

@@ -9,15 +9,24 @@ padding. The support S = the valid ids, m = sum_k exp(l_k). Buckets and their te
             (the tail bucket is absent when S covers the whole vocab, K = V)
     none    K buckets, not normalised:                              P_k = m * softmax_K(l / tau)_k
     renorm  K buckets:                                              P = softmax_K(l / tau)
+    sampled K buckets, the distinct drawn ids (tau = 1, forward KL):  P_b = sum_{k: I_k = b} w_k
+            The slots hold N ids drawn iid from a proposal q'_v ∝ p_v^(1/t) (p the teacher over the full vocab,
+            l_k = log p_{I_k}, not summed over repeats) with importance weights w_k = p_{I_k} / (N q'_{I_k}); so
+            P is the unbiased estimate P^_v = (1/N) sum_n [i_n = v] p_v / q'_v of p (E[P^] = p; at t = 1 the
+            empirical frequency). f = sum_k w_k (l_k - log Q_{I_k}) = KL(P || Q) + sum_k w_k l_k - sum_b P_b log P_b
+            (the last two terms: ``TeacherBuckets.value_offset``, teacher-only), so E[f] = KL(p || q) over the full
+            vocab exactly and df/dz = (sum_b P_b) q - P^ estimates the full-KL gradient q - p without bias.
+            Slots with l = -inf or w = 0 are not drawn (no bucket). Its student side is ``none``'s.
 Student, with L = logsumexp(z) over V and g_k = z_{I_k}:
     ghost   log Q_k = g_k - L,   log Q_tail = log sum_{j not in S} exp(z_j) - L   (computed directly, no 1 - s)
-    none    log Q_k = g_k - L
+    none    log Q_k = g_k - L          (also ``sampled``)
     renorm  log Q_k = g_k - logsumexp_k(g)                            (no L: only the K rows W[I] are needed)
-KD per token f = divergence(P, Q) on the buckets (``divergence.py``), a_b = df/dlog Q_b, A = sum_b a_b.
+KD per token f = divergence(P, Q) on the buckets (``divergence.py``; sampled: + its value offset),
+a_b = df/dlog Q_b, A = sum_b a_b.
 Gradient w.r.t. z, with q_j = exp(z_j - L) = E_j / Ssum where E_j = exp(z_j - M), M = max_j z_j,
 Ssum = sum_j E_j, and E_tail = sum_{j not in S} E_j:
     ghost   dz_j = (a_tail / E_tail - A / Ssum) E_j  for j not in S;   dz_{I_k} = a_k - A q_{I_k}
-    none    dz_j = (-A / Ssum) E_j                   for j not in S;   dz_{I_k} = a_k - A q_{I_k}
+    none    dz_j = (-A / Ssum) E_j                   for j not in S;   dz_{I_k} = a_k - A q_{I_k}   (also sampled)
     renorm  dz_j = 0                                 for j not in S;   dz_{I_k} = a_k - A Q_k
 So a logits chunk's gradient is one per-token coefficient times E off the support plus K scattered values.
 Loss and gradient w.r.t. r, with w the token's loss_mask weight and CE at tau = 1 (L1 = logsumexp(r)):
@@ -90,7 +99,7 @@ def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.
             log_p = torch.cat([log_p, teacher.log_p_tail[:, None]], -1)       # [c, K + 1]
             log_q = torch.cat([log_q, log_q_tail[:, None]], -1)
             present = torch.cat([present, teacher.tail_present[:, None]], -1)
-    f = bucket_divergence(log_p, log_q, present, options.divergence, options.jsd_beta)
+    f = bucket_divergence(log_p, log_q, present, options.divergence, options.jsd_beta) + teacher.value_offset
     a = bucket_divergence_grad(log_p, log_q, present, options.divergence, options.jsd_beta)
     a_total = a.sum(-1)                                                      # [c] A
     k = valid.shape[-1]

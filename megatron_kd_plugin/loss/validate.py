@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .options import KDLossOptions
+from .teacher import teacher_mass
 from .tp import VocabShard
 
 
@@ -14,7 +15,8 @@ def _is_int(t: torch.Tensor) -> bool:
 
 def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
                  teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor | None, labels: torch.Tensor | None,
-                 options: KDLossOptions, shard: VocabShard, sequence_parallel: bool) -> None:
+                 sample_weights: torch.Tensor | None, options: KDLossOptions, shard: VocabShard,
+                 sequence_parallel: bool) -> None:
     """Raise ValueError naming the offending shape or dtype."""
     if hidden.dim() != 3 or not hidden.dtype.is_floating_point:
         raise ValueError(f"hidden must be a float [s, b, H] tensor, got {tuple(hidden.shape)} {hidden.dtype}")
@@ -31,6 +33,14 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     if teacher_logprobs.shape != teacher_ids.shape or not teacher_logprobs.dtype.is_floating_point:
         raise ValueError(f"teacher_logprobs must be a float tensor shaped like teacher_ids {tuple(teacher_ids.shape)},"
                          f" got {tuple(teacher_logprobs.shape)} {teacher_logprobs.dtype}")
+    if (sample_weights is not None) != (options.tail == "sampled"):
+        raise ValueError(f"sample_weights is {'given' if sample_weights is not None else 'missing'} with "
+                         f"tail={options.tail!r}: pass sample_weights (the importance weights of drawn ids) "
+                         "exactly when tail='sampled'")
+    if sample_weights is not None and (sample_weights.shape != teacher_ids.shape
+                                       or not sample_weights.dtype.is_floating_point):
+        raise ValueError(f"sample_weights must be a float tensor shaped like teacher_ids {tuple(teacher_ids.shape)}, "
+                         f"got {tuple(sample_weights.shape)} {sample_weights.dtype}")
     if loss_mask is not None and tuple(loss_mask.shape) != tokens:
         raise ValueError(f"loss_mask must be [s, b] = {tokens}, got {tuple(loss_mask.shape)}")
     if labels is None and options.alpha < 1.0:
@@ -38,30 +48,40 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     if labels is not None and (tuple(labels.shape) != tokens or not _is_int(labels)):
         raise ValueError(f"labels must be an integer [s, b] = {tokens} tensor, got {tuple(labels.shape)} "
                          f"{labels.dtype}")
-    devices = {t.device for t in (hidden, weight, teacher_ids, teacher_logprobs, loss_mask, labels) if t is not None}
+    devices = {t.device for t in (hidden, weight, teacher_ids, teacher_logprobs, loss_mask, labels, sample_weights)
+               if t is not None}
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
 def check_values(teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-                 labels: torch.Tensor | None, options: KDLossOptions, vocab_size: int) -> None:
+                 labels: torch.Tensor | None, sample_weights: torch.Tensor | None, options: KDLossOptions,
+                 vocab_size: int) -> None:
     """Raise ValueError for ids outside [0, V), NaN/+inf or positive log-probs (-inf is padding: probability 0),
-    top-K mass above 1 + mass_tolerance, or labels outside [0, V) on counted tokens. One host sync."""
+    top-K mass (sampled: of the distinct drawn ids) above 1 + mass_tolerance, labels outside [0, V) on counted
+    tokens, or sample_weights that are not finite and >= 0. One host sync."""
     logprobs = teacher_logprobs.double()
     finite = torch.where(logprobs.isfinite(), logprobs, logprobs.new_tensor(-torch.inf))
     counted = loss_mask != 0
     label_range = [0.0, 0.0]
     if labels is not None:
         label_range = [torch.where(counted, labels, 0).min(), torch.where(counted, labels, 0).max()]
+    weight_stats = [logprobs.new_zeros(())] * 2                              # [non-finite count, min]
+    if sample_weights is not None:
+        weight_stats = [(~sample_weights.isfinite()).sum().double(), sample_weights.double().min()]
     stats = torch.stack([teacher_ids.min().double(), teacher_ids.max().double(),
                          logprobs.isnan().sum().double(), (logprobs == torch.inf).sum().double(),
-                         finite.max(), logprobs.exp().sum(-1).max(),
-                         *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device) for v in label_range)])
-    id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max = stats.tolist()
+                         finite.max(), teacher_mass(teacher_ids, logprobs, sample_weights).max(),
+                         *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device) for v in label_range),
+                         *weight_stats])
+    id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max, bad_weights, weight_min = stats.tolist()
     if id_min < 0 or id_max >= vocab_size:
         raise ValueError(f"teacher_ids must lie in [0, V={vocab_size}), got min {int(id_min)} max {int(id_max)}")
     if nans or pos_inf:
         raise ValueError(f"teacher_logprobs has {int(nans)} NaN and {int(pos_inf)} +inf entries")
+    if bad_weights or weight_min < 0:
+        raise ValueError(f"sample_weights must be finite and >= 0 (importance weights), got {int(bad_weights)} "
+                         f"NaN/inf entries and min {weight_min}")
     if lp_max > 0:
         raise ValueError(f"teacher_logprobs must be <= 0 (log-probabilities), got max {lp_max}")
     if mass_max > 1.0 + options.mass_tolerance:
