@@ -41,13 +41,40 @@ def make_case(*, s=3, b=47, hidden_size=31, vocab=123, k=7, dtype=torch.float64,
                 teacher_logprobs=logprobs, loss_mask=loss_mask, labels=labels)
 
 
+def draw_from_teacher(teacher_logprobs: torch.Tensor, draws: int, proposal_temperature: float,
+                      generator: torch.Generator):
+    """Full teacher log-probs [..., V] -> ``draws`` ids per token drawn iid (with replacement) from the proposal
+    q ∝ p^(1/t): (ids [..., N], their teacher log-probs l [..., N], importance weights w = p / (N q) [..., N])."""
+    log_q = (teacher_logprobs / proposal_temperature).log_softmax(-1)
+    flat = log_q.reshape(-1, log_q.shape[-1]).exp()
+    ids = torch.multinomial(flat, draws, replacement=True, generator=generator).reshape(*log_q.shape[:-1], draws)
+    logprobs = teacher_logprobs.gather(-1, ids)
+    return ids, logprobs, (logprobs - log_q.gather(-1, ids)).exp() / draws
+
+
+def make_sampled_case(*, draws=9, proposal_temperature=1.5, teacher_vocab=None, seed=0, **shape):
+    """``make_case``'s student, mask and labels with a sampled teacher: ``draws`` ids per token drawn from a full
+    teacher (repeats happen), their log-probs and ``sample_weights``; some slots are padding (-inf log-prob with a
+    non-zero weight, which must be ignored)."""
+    case = make_case(seed=seed, teacher_vocab=teacher_vocab, **shape)
+    s, b = case["loss_mask"].shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    vocab = case["weight"].shape[0] if teacher_vocab is None else teacher_vocab
+    teacher = (torch.randn(s, b, vocab, generator=gen, dtype=torch.float64) * 2).log_softmax(-1)
+    ids, logprobs, weights = draw_from_teacher(teacher, draws, proposal_temperature, gen)
+    logprobs[:, 1::4, -1] = -torch.inf
+    return dict(case, teacher_ids=ids.to(torch.int32), teacher_logprobs=logprobs, sample_weights=weights)
+
+
 def run_loss(case, *, hidden=None, weight=None, **options):
-    """topk_kd_loss forward + backward of loss_sum; returns (result, d_hidden, d_weight)."""
+    """topk_kd_loss forward + backward of loss_sum (with the case's sample_weights, if any); returns (result,
+    d_hidden, d_weight)."""
     hidden = (case["hidden"] if hidden is None else hidden).detach().clone().requires_grad_()
     weight = (case["weight"] if weight is None else weight).detach().clone().requires_grad_()
     labels = case["labels"] if options.pop("with_labels", False) else None
     result = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"],
-                          loss_mask=case["loss_mask"], labels=labels, **options)
+                          loss_mask=case["loss_mask"], labels=labels, sample_weights=case.get("sample_weights"),
+                          **options)
     result.loss_sum.backward()
     return result, hidden.grad, weight.grad
 

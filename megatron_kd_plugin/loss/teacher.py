@@ -29,10 +29,10 @@ class TeacherBuckets(NamedTuple):
 
 
 def _sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort each token's ids: (ids [T, K] int64 sorted, the sorting order, first [T, K] bool: first slot of a run)."""
+    """Sort each token's ids [..., K]: (ids int64 sorted, the sorting order, first bool: the first slot of a run)."""
     ids, order = ids.long().sort(dim=-1, stable=True)
     first = torch.ones_like(ids, dtype=torch.bool)
-    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
     return ids, order, first
 
 
