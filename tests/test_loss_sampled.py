@@ -32,7 +32,7 @@ def _student_and_teacher():
     z = logits.clone().requires_grad_()
     kl = (teacher.exp() * (teacher - z.log_softmax(-1))).sum()               # the full KL, summed over tokens
     exact_grad, = torch.autograd.grad(kl, z)
-    return logits, teacher, float(kl), exact_grad
+    return logits, teacher, float(kl.detach()), exact_grad
 
 
 def _sampled_estimates(proposal_temperature, self_normalised=False):

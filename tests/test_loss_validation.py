@@ -108,9 +108,43 @@ def test_labels():
     (dict(alpha=1.5), "alpha=1.5: expected 0 <= alpha <= 1"),
     (dict(jsd_beta=1.0), "jsd_beta=1.0: expected 0 < jsd_beta < 1"),
     (dict(chunk_bytes=0), "chunk_bytes=0: expected a positive int or None"),
+    (dict(tail="sampled", divergence="jsd"), r"tail='sampled' supports only divergence='forward_kl' and temperature"),
+    (dict(tail="sampled", temperature=2.0), r"tail='sampled' supports only .* temperature=2.0: the importance"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         KDLossOptions(**options)
     with pytest.raises(ValueError, match=message):
         _call(_case(), **options)
+
+
+def _sampled_case():
+    case = _case()
+    case["sample_weights"] = torch.full(case["teacher_ids"].shape, 0.25)
+    return case
+
+
+@pytest.mark.parametrize("tail,corrupt,message", [
+    ("sampled", lambda t: None, r"sample_weights is missing with tail='sampled'"),
+    ("ghost", lambda t: t, r"sample_weights is given with tail='ghost'"),
+    ("sampled", lambda t: t[..., :2], r"sample_weights must be a float tensor shaped like teacher_ids \(2, 3, 4\)"),
+    ("sampled", lambda t: t.long(), r"sample_weights must be a float tensor .* torch.int64"),
+    ("sampled", _set((0, 1, 2), -0.5), r"sample_weights must be finite and >= 0 .* 0 NaN/inf entries and min -0.5"),
+    ("sampled", _set((1, 1, 1), torch.nan), r"sample_weights must be finite and >= 0 .* 1 NaN/inf entries"),
+])
+def test_bad_sample_weights(tail, corrupt, message):
+    case = _sampled_case()
+    with pytest.raises(ValueError, match=message):
+        _call(case, tail=tail, sample_weights=corrupt(case["sample_weights"].clone()))
+
+
+def test_sampled_mass_counts_each_drawn_id_once():
+    """Four draws of one id with p = 0.9: the distinct drawn mass is 0.9 (accepted and reported once), while as
+    top-K slots the same log-probs sum to 3.6 (an error)."""
+    case = _sampled_case()
+    case["teacher_ids"][:] = 5
+    case["teacher_logprobs"][:] = torch.tensor(0.9).log()
+    result = _call(case, tail="sampled", sample_weights=case["sample_weights"])
+    assert abs(float(result.teacher_topk_mass_sum) - 0.9 * int(result.num_tokens)) < 1e-5
+    with pytest.raises(ValueError, match=r"top-K mass sum_k exp\(logprob\) is 3\.(6|59)"):
+        _call(case)
