@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import make_case, rel_err, run_loss
+from tests.test_loss_helpers import make_case, make_sampled_case, rel_err, run_loss
 
 REAL_VOCAB, PADDED_VOCAB = 45, 48                  # megatron pads the vocab to a multiple of tp (x 128 in practice)
 
@@ -18,11 +18,16 @@ CONFIGS = [
     dict(impl="fused", mode="recompute", tail="ghost", divergence="reverse_kl", temperature=1.3),
     dict(impl="forward_chunked", tail="ghost", divergence="forward_kl", alpha=0.7, with_labels=True),
     dict(impl="dense", tail="ghost", divergence="jsd", temperature=2.0),
+    dict(impl="fused", mode="recompute", tail="sampled", alpha=0.6, with_labels=True),
+    dict(impl="fused", mode="grad_in_forward", tail="sampled"),
+    dict(impl="forward_chunked", tail="sampled", alpha=0.5, with_labels=True),
 ]
 
 
-def _tp_case(k):
-    case = make_case(s=4, b=6, hidden_size=13, vocab=PADDED_VOCAB, teacher_vocab=REAL_VOCAB, k=k, seed=3)
+def _tp_case(k, sampled):
+    """A top-K teacher with K = k, or (``sampled``) k draws per token."""
+    shape = dict(s=4, b=6, hidden_size=13, vocab=PADDED_VOCAB, teacher_vocab=REAL_VOCAB, seed=3)
+    case = make_sampled_case(draws=k, **shape) if sampled else make_case(k=k, **shape)
     case["teacher_ids"][0, :, 0] = PADDED_VOCAB - 2            # an id in the padded vocab, with a little mass
     case["teacher_logprobs"][0, :, 0] = -9.0
     return case
@@ -31,11 +36,12 @@ def _tp_case(k):
 def _tp_body(group, rank: int, size: int, k: int) -> dict:
     """On one rank of ``group``: every config at TP=size (plain and sequence-parallel) against the same config and
     the dense reference at TP=1 on the full weight. Returns the worst relative error of each config."""
-    case = _tp_case(k)
+    cases = {sampled: _tp_case(k, sampled) for sampled in (False, True)}
     shard = PADDED_VOCAB // size
     rows, seq = slice(rank * shard, (rank + 1) * shard), slice(rank * 4 // size, (rank + 1) * 4 // size)
     errors = {}
     for i, config in enumerate(CONFIGS):
+        case = cases[config["tail"] == "sampled"]
         chunk = dict(chunk_bytes=10 * shard * 8 * 2)            # chunks of 10 tokens: T = 24 not divisible
         ref, ref_dh, ref_dw = run_loss(case, **dict(config, impl="dense"))
         single, single_dh, single_dw = run_loss(case, **config, **chunk)
