@@ -13,7 +13,7 @@ import torch
 from megatron_kd_plugin.kernels import reference
 from megatron_kd_plugin.loss.chunk_backends import TorchChunks
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import COMBOS, make_case, rel_err, run_loss
+from tests.test_loss_helpers import COMBOS, make_case, make_sampled_case, rel_err, run_loss
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 45                                  # odd; crosses the interpreter's 32-column tiles and 48-column splits
@@ -64,6 +64,13 @@ def test_triton_fused_matches_dense_float64(tail, divergence):
         if tail == "renorm" and not options.get("with_labels"):
             continue
         options = dict(options, tail=tail, divergence=divergence)
+        assert _errors(low, exact, options, **CHUNK) < 1e-5, options
+
+
+def test_triton_fused_sampled():
+    """tail=sampled (repeated draws, padding slots), with and without the CE mix, chunks of 4 tokens."""
+    low, exact = _on_device(make_sampled_case(draws=6, **SHAPE), torch.float32)
+    for options in (dict(tail="sampled"), dict(tail="sampled", alpha=0.4, with_labels=True)):
         assert _errors(low, exact, options, **CHUNK) < 1e-5, options
 
 
