@@ -39,8 +39,24 @@ class TeacherTopK(NamedTuple):
     finite: torch.Tensor
 
 
-def _group_size(tp_group) -> int:
+def group_size(tp_group) -> int:
     return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+def combine_logsumexp(lse: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full-vocab LSE from each rank's local LSE ``[...]`` of its vocab shard (see the module docstring).
+
+    M = all-reduce MAX of the local LSEs (0 where it is not finite), LSE = M + log(all-reduce SUM exp(L_r − M)).
+    Returns ``lse`` itself without TP.
+    """
+    if group_size(tp_group) == 1:
+        return lse
+    global_max = lse.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    global_max = torch.where(torch.isfinite(global_max), global_max, torch.zeros((), dtype=lse.dtype))
+    sum_exp = torch.exp(lse - global_max)
+    dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+    return global_max + torch.log(sum_exp)
 
 
 def topk_by_value_then_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,21 +97,15 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
         raise ValueError(f"k must be >= 1, got {k}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    tp = _group_size(tp_group)
+    tp = group_size(tp_group)
     vocab_local = logits.shape[-1]
     if k > vocab_local * tp:
         raise ValueError(f"k={k} exceeds the vocabulary size {vocab_local * tp}")
     z = logits.float() / temperature if temperature != 1.0 else logits.float()  # [s, b, V/tp]
     vals, idx = topk_by_value_then_id(z, min(k, vocab_local))                    # [s, b, k_loc]
-    lse = torch.logsumexp(z, dim=-1)                                             # [s, b] local
+    lse = combine_logsumexp(torch.logsumexp(z, dim=-1), tp_group)               # [s, b]
     if tp > 1:
         idx = idx + dist.get_rank(tp_group) * vocab_local                        # global ids
-        global_max = lse.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        global_max = torch.where(torch.isfinite(global_max), global_max, torch.zeros((), dtype=lse.dtype))
-        sum_exp = torch.exp(lse - global_max)                                     # [s, b]
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
-        lse = global_max + torch.log(sum_exp)
         vals_all = [torch.empty_like(vals) for _ in range(tp)]
         idx_all = [torch.empty_like(idx) for _ in range(tp)]
         dist.all_gather(vals_all, vals.contiguous(), group=tp_group)

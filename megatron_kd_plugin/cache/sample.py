@@ -1,0 +1,124 @@
+"""Vocab-parallel sampling of a teacher's next-token distribution for the sampled cache (issue #8).
+
+Math (per token; z = logits / τ_c the tempered logits, l_v = z_v − LSE(z) the teacher's log-probs over the FULL
+vocab V at the cache temperature, t the proposal temperature)::
+
+    log q_v   = l_v / t − G,       G = logsumexp_u(l_u / t) = LSE(y) − LSE(z) / t,     y = z / t
+    draws     i_1..i_N iid from q (with replacement), by inverse CDF: i_n = min{v : C_v > u_n · C_V},
+              C_v = Σ_{u <= v} exp(y_u − M) (float64), M = max_v y_v, u_n uniform in [0, 1)
+    weights   w_n = (1/N) · p_{i_n} / q_{i_n} = (1/N) · exp(l_{i_n} · (1 − 1/t) + G)
+
+so that P̂_v = Σ_n [i_n = v] w_n has E[P̂_v] = p_v (at t = 1 every w_n = 1/N: P̂ is the empirical count / N).
+
+Under tensor parallelism rank r holds the contiguous shard z[r·V_p : (r+1)·V_p] (``[s, b, V/tp]``) and the
+vocabulary is laid out as the shards in rank order. M is an all-reduce MAX; each rank's shard mass
+T_r = Σ_{v in shard r} exp(y_v − M) is all-gathered (``[s, b, tp]``); the uniform u_n lands in the rank r with
+O_r <= u_n · ΣT < O_r + T_r (O_r = Σ_{r' < r} T_r'), which resolves it inside its shard with a float64 cumsum and
+searchsorted; one all-reduce SUM of the (owner-only, else 0) ids and log-probs assembles them on every rank.
+LSE(z) combines the local ones as in ``topk.py``. The ``[s, b, V]`` grid is never gathered. The terms exp(y_v − M)
+are the same numbers at any TP size, so the draws equal the TP=1 draws except when a u_n · ΣT falls within a few
+float64 ulps of a CDF step (summation order differs), probability ~1e-15 per draw.
+
+The uniforms are a pure function of (seed, global sample index): :func:`sample_uniforms`. Draws therefore do not
+depend on the TP or DP size, the micro-batch size or a resume.
+
+Shapes: logits ``[s, b, V/tp]``, uniforms ``[s, b, N]`` -> ids / log-probs ``[s, b, N]``, ``G`` and ``finite``
+``[s, b]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_kd_plugin.cache.topk import group_size, combine_logsumexp
+
+
+class TeacherSample(NamedTuple):
+    """N draws per token, identical on every TP rank.
+
+    ids: int64 ``[s, b, N]`` the drawn global vocab ids, sorted ascending (duplicates kept).
+    logprobs: float32 ``[s, b, N]`` l of those ids (full-vocab log-probs at the cache temperature).
+    proposal_lognorm: float32 ``[s, b]`` G = logsumexp_v(l_v / t), 0 at t = 1.
+    finite: bool ``[s, b]`` False where the token's logits (on any rank) hold a NaN or +inf.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    proposal_lognorm: torch.Tensor
+    finite: torch.Tensor
+
+
+def sample_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: int, n: int) -> torch.Tensor:
+    """float64 ``[seq_length, num_samples, n]`` in [0, 1): sample i's from ``numpy.random.default_rng([seed, i])``."""
+    return torch.from_numpy(np.stack([np.random.default_rng([seed, first_sample + i]).random((seq_length, n))
+                                      for i in range(num_samples)], axis=1))
+
+
+def sample_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None,
+                   proposal_temperature: float) -> torch.Tensor:
+    """Importance weights w ``[..., N]`` of N draws (one slot = one draw) from l ``[..., N]`` and G ``[...]``.
+
+    ``proposal_lognorm`` may be None only at t = 1 (every w = 1/N).
+    """
+    n = logprobs.shape[-1]
+    if proposal_temperature == 1.0:
+        return torch.full_like(logprobs, 1.0 / n, dtype=torch.float32)
+    if proposal_lognorm is None:
+        raise ValueError(f"proposal_temperature={proposal_temperature} needs the proposal log-normaliser")
+    log_ratio = logprobs.double() * (1.0 - 1.0 / proposal_temperature) + proposal_lognorm.double().unsqueeze(-1)
+    return (torch.exp(log_ratio) / n).float()
+
+
+def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
+                          proposal_temperature: float = 1.0, tp_group=None) -> TeacherSample:
+    """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
+
+    ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
+    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1.
+    """
+    if temperature <= 0 or proposal_temperature <= 0:
+        raise ValueError(f"temperature={temperature} and proposal_temperature={proposal_temperature} must be > 0")
+    if uniforms.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
+    tp = group_size(tp_group)
+    vocab_local = logits.shape[-1]
+    z = logits.double() / temperature                                            # [s, b, V/tp]
+    lse_z = combine_logsumexp(torch.logsumexp(z, dim=-1), tp_group)              # [s, b]
+    y = z / proposal_temperature
+    top = y.amax(dim=-1)                                                         # [s, b]
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype))
+    cdf = torch.exp(y - top.unsqueeze(-1)).cumsum(dim=-1)                        # [s, b, V/tp] float64
+    mass = cdf[..., -1:].contiguous()                                            # [s, b, 1] T_r
+    if tp > 1:
+        masses = [torch.empty_like(mass) for _ in range(tp)]
+        dist.all_gather(masses, mass, group=tp_group)
+        masses = torch.cat(masses, dim=-1)                                       # [s, b, tp]
+        rank = dist.get_rank(tp_group)
+    else:
+        masses, rank = mass, 0
+    ends = masses.cumsum(dim=-1)                                                 # [s, b, tp] O_r + T_r
+    target = uniforms.to(torch.float64) * ends[..., -1:]                         # [s, b, N]
+    owner = torch.searchsorted(ends, target.contiguous(), right=True).clamp(max=tp - 1)       # [s, b, N]
+    local_target = target - (ends[..., rank:rank + 1] - masses[..., rank:rank + 1])
+    local = torch.searchsorted(cdf, local_target, right=True)                    # [s, b, N]
+    last_positive = torch.where(cdf > 0, torch.arange(vocab_local), 0).amax(dim=-1, keepdim=True)
+    local = torch.minimum(local, last_positive)                                  # rounding past the shard's end
+    mine = owner == rank
+    ids = torch.where(mine, local + rank * vocab_local, 0)                       # [s, b, N] int64
+    logprobs = torch.where(mine, z.gather(-1, local) - lse_z.unsqueeze(-1), 0.0)
+    if tp > 1:
+        dist.all_reduce(ids, group=tp_group)
+        dist.all_reduce(logprobs, group=tp_group)
+    ids, order = ids.sort(dim=-1)
+    logprobs = logprobs.gather(-1, order)
+    lognorm = top + torch.log(ends[..., -1]) - lse_z / proposal_temperature      # G = LSE(y) − LSE(z)/t
+    if proposal_temperature == 1.0:
+        lognorm = torch.zeros_like(lognorm)
+    finite = torch.isfinite(lse_z) & torch.isfinite(lognorm) & torch.isfinite(logprobs).all(dim=-1)
+    return TeacherSample(ids=ids, logprobs=logprobs.float(), proposal_lognorm=lognorm.float(), finite=finite)

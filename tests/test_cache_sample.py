@@ -1,0 +1,119 @@
+"""Vocab-parallel sampling for the sampled cache: frequencies follow q ∝ p^(1/t), l and G equal a float64 dense
+log_softmax, the importance weights are unbiased for p, and TP=2/4 draw exactly what TP=1 draws."""
+
+import pytest
+import torch
+
+from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+from tests.distributed import run_on_ranks
+
+S, B, V = 5, 2, 24
+
+
+def make_logits(seed: int) -> torch.Tensor:
+    logits = 2 * torch.randn(S, B, V, generator=torch.Generator().manual_seed(seed))
+    logits[0, 0, 3] = float("-inf")                 # a zero-probability id is never drawn
+    return logits
+
+
+def dense(logits, temperature, proposal_temperature):
+    """float64 (l [s, b, V], log q [s, b, V], G [s, b])."""
+    l = torch.log_softmax(logits.double() / temperature, dim=-1)
+    lognorm = torch.logsumexp(l / proposal_temperature, dim=-1)
+    return l, l / proposal_temperature - lognorm.unsqueeze(-1), lognorm
+
+
+@pytest.mark.parametrize("t", [1.0, 1.5])
+def test_frequencies_follow_q_and_values_match_a_dense_log_softmax(t):
+    logits, n = make_logits(0), 20000
+    draw = vocab_parallel_sample(logits, sample_uniforms(7, 0, B, S, n), temperature=1.3, proposal_temperature=t)
+    l, log_q, lognorm = dense(logits, 1.3, t)
+    assert draw.finite.all() and (draw.ids.diff(dim=-1) >= 0).all()
+    torch.testing.assert_close(draw.logprobs.double(), l.gather(-1, draw.ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(draw.proposal_lognorm.double(), lognorm, atol=1e-6, rtol=0)
+    counts = torch.zeros(S, B, V, dtype=torch.float64).scatter_add_(-1, draw.ids, torch.ones_like(draw.ids,
+                                                                                                   dtype=torch.float64))
+    q = log_q.exp()
+    assert counts[0, 0, 3] == 0
+    # per id, |count - n q| < 5 binomial standard deviations (+1 for q ~ 0); chi-square over all ids
+    assert ((counts - n * q).abs() <= 5 * (n * q * (1 - q)).sqrt() + 1).all()
+    chi2 = ((counts - n * q) ** 2 / (n * q).clamp(min=1e-12)).where(q > 0, 0.0).sum(-1)     # ~ V-1 = 23 dof
+    assert (chi2 < 60).all(), chi2
+
+
+@pytest.mark.parametrize("t", [1.0, 1.5])
+def test_importance_weights_are_unbiased_for_p(t):
+    """P̂_v = Σ_n [i_n = v] w_n over many independent draws of N = 8: mean -> p within 5 standard errors."""
+    logits, n, repeats = make_logits(1), 8, 4000
+    uniforms = sample_uniforms(3, 0, B * repeats, S, n).view(S, repeats, B, n).transpose(1, 2)   # [s, b, R, N]
+    draw = vocab_parallel_sample(logits.unsqueeze(2).expand(S, B, repeats, V), uniforms, proposal_temperature=t)
+    weights = sample_weights(draw.logprobs, draw.proposal_lognorm, t).double()
+    p_hat = torch.zeros(S, B, repeats, V, dtype=torch.float64).scatter_add_(-1, draw.ids, weights)
+    l, log_q, _ = dense(logits, 1.0, t)
+    p = l.exp()
+    error = (p_hat.mean(2) - p).abs()
+    standard_error = ((p * p / log_q.exp() - p * p) / (n * repeats)).sqrt().nan_to_num()   # Var P̂_v = (p²/q − p²)/N
+    assert (error <= 5 * standard_error + 1e-12).all()
+    assert error.max() > 0                                                      # the draws are random
+    torch.testing.assert_close(p_hat.sum(-1).mean(), torch.tensor(1.0, dtype=torch.float64), atol=0.02, rtol=0)
+    if t == 1.0:
+        assert torch.equal(weights, torch.full_like(weights, 1 / n))
+
+
+def tp_case_logits():
+    logits = make_logits(2)
+    logits[1, 1, 18:] = float("-inf")                # the last shard at TP=4 has no mass for this token
+    return logits, sample_uniforms(5, 0, B, S, 64)
+
+
+def _tp_draws(tp_sizes, proposal_temperatures):
+    """On each of 4 ranks, for each TP size and t: the draws from this rank's vocab shard."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    logits, uniforms = tp_case_logits()
+    results = {}
+    for tp in tp_sizes:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        group = parallel_state.get_tensor_model_parallel_group()
+        shard = logits.chunk(tp, dim=-1)[dist.get_rank(group)]                   # [s, b, V/tp]
+        results[tp] = [vocab_parallel_sample(shard, uniforms, temperature=0.9, proposal_temperature=t,
+                                             tp_group=group) for t in proposal_temperatures]
+    return results
+
+
+def test_tensor_parallel_draws_equal_single_rank_draws_at_tp2_and_tp4():
+    logits, uniforms = tp_case_logits()
+    temperatures = (1.0, 1.5)
+    per_rank = run_on_ranks(4, _tp_draws, (2, 4), temperatures)          # one spawn of 4 ranks, both TP sizes
+    for case, t in enumerate(temperatures):
+        single = vocab_parallel_sample(logits, uniforms, temperature=0.9, proposal_temperature=t)
+        assert (single.ids[1, 1] < 18).all()
+        for tp in (2, 4):
+            for rank in range(4):
+                draw = per_rank[rank][tp][case]
+                assert torch.equal(draw.ids, single.ids), (tp, t, rank)
+                torch.testing.assert_close(draw.logprobs, single.logprobs, atol=1e-6, rtol=0)
+                torch.testing.assert_close(draw.proposal_lognorm, single.proposal_lognorm, atol=1e-6, rtol=0)
+                assert draw.finite.all()
+
+
+def test_non_finite_logits_are_flagged_and_bad_arguments_raise():
+    logits = make_logits(4)
+    logits[2, 1, 7] = float("nan")
+    logits[3, 0, 1] = float("inf")
+    draw = vocab_parallel_sample(logits, sample_uniforms(0, 0, B, S, 4))
+    expected = torch.ones(S, B, dtype=torch.bool)
+    expected[2, 1] = expected[3, 0] = False
+    assert torch.equal(draw.finite, expected)
+    with pytest.raises(ValueError, match="proposal_temperature"):
+        vocab_parallel_sample(logits, sample_uniforms(0, 0, B, S, 4), proposal_temperature=0.0)
+    with pytest.raises(ValueError, match="uniforms"):
+        vocab_parallel_sample(logits, sample_uniforms(0, 0, B + 1, S, 4))
+
+
+def test_uniforms_depend_only_on_seed_and_sample_index():
+    whole = sample_uniforms(9, 0, 6, S, 3)
+    assert torch.equal(sample_uniforms(9, 4, 2, S, 3), whole[:, 4:])
+    assert not torch.equal(sample_uniforms(8, 0, 6, S, 3), whole)
