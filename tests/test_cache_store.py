@@ -117,7 +117,10 @@ def test_reader_refuses_other_formats(tmp_path):
     with pytest.raises(ValueError, match="version 99"):
         TopKCacheReader(tmp_path / "c")
     group.attrs["format"] = "something-else"
-    with pytest.raises(ValueError, match="not a teacher top-K cache"):
+    with pytest.raises(ValueError, match="not a teacher cache"):
+        TopKCacheReader(tmp_path / "c")
+    group.attrs.update(format=fmt.SAMPLED_FORMAT_NAME, version=fmt.FORMAT_VERSION)   # format and mode disagree
+    with pytest.raises(ValueError, match="not a teacher cache"):
         TopKCacheReader(tmp_path / "c")
 
 
@@ -226,10 +229,15 @@ def test_jsonl_source_with_a_tokenizers_file(tmp_path):
 def test_spec_rejects_bad_values():
     good = dict(k=4, vocab_size=10, seq_length=8, num_samples=3)
     CacheSpec(**good)
-    for bad in [dict(k=0), dict(k=11), dict(vocab_size=2**31 + 1), dict(temperature=0.0),
-                dict(logprob_codec="bf16"), dict(samples_per_shard=0)]:
-        with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+    for bad, match in [(dict(k=0), "k"), (dict(k=11), "k"), (dict(vocab_size=2**31 + 1), "vocab"),
+                       (dict(temperature=0.0), "temperature"), (dict(logprob_codec="bf16"), "logprob"),
+                       (dict(samples_per_shard=0), "samples"), (dict(mode="random"), "mode"),
+                       (dict(proposal_temperature=1.5), "sampled mode only"), (dict(sample_seed=3), "sampled mode"),
+                       (dict(mode="sampled", proposal_temperature=0.0), "proposal_temperature must be > 0"),
+                       (dict(mode="sampled", sample_seed=-1), "sample_seed must be >= 0")]:
+        with pytest.raises(ValueError, match=match):
             CacheSpec(**(good | bad))
+    CacheSpec(**(good | dict(mode="sampled", k=40)))                  # N draws may exceed V (with replacement)
 
 
 def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
@@ -266,3 +274,60 @@ def test_cli_teacher_loader_hook_and_its_vocab_requirement(tmp_path):
     assert model == ("model", str(tmp_path), 2) and vocab == 77 and identity.startswith(f"{tmp_path.name}:sha256=")
     with pytest.raises(ValueError, match="needs --vocab-size"):
         load_teacher(argparse.Namespace(**(vars(args) | dict(vocab_size=None))))
+
+
+@pytest.mark.parametrize("t", [1.0, 1.5])
+def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t):
+    from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+
+    table, logits_fn = table_teacher()
+    source, n = windows(), 9
+    write(tmp_path / "c", source, logits_fn, k=n, mode="sampled", proposal_temperature=t, sample_seed=4,
+          temperature=0.8, logprob_codec="fp32")
+    group = zarr.open_group(tmp_path / "c", mode="r")
+    assert group.attrs["format"] == fmt.SAMPLED_FORMAT_NAME and group.attrs["mode"] == "sampled"
+    assert (fmt.PROPOSAL_LOGNORM in group) == (t != 1.0)
+    reader = TopKCacheReader(tmp_path / "c")
+    for i in range(N):
+        tokens = torch.from_numpy(source.windows(i, i + 1)[0])
+        logits = table[tokens[:-1]].unsqueeze(1)                                          # [S, 1, V]
+        draw = vocab_parallel_sample(logits, sample_uniforms(4, i, 1, S, n), temperature=0.8,
+                                     proposal_temperature=t)
+        row = reader[i]
+        assert torch.equal(row["teacher_ids"], draw.ids[:, 0])
+        l = torch.log_softmax(table.double()[tokens[:-1]] / 0.8, dim=-1)                  # [S, V]
+        torch.testing.assert_close(row["teacher_logprobs"].double(), l.gather(-1, row["teacher_ids"]), atol=1e-5,
+                                   rtol=0)
+        expected = sample_weights(l.gather(-1, row["teacher_ids"]), torch.logsumexp(l / t, dim=-1), t)
+        torch.testing.assert_close(row[fmt.SAMPLE_WEIGHTS], expected.float(), atol=0, rtol=1e-5)
+        assert row[fmt.SAMPLE_WEIGHTS].shape == (S, n) and row[fmt.SAMPLE_WEIGHTS].dtype == torch.float32
+    assert "teacher_sample_weights" in reader.window(3, S // 2)
+    with pytest.raises(ValueError, match="mode='topk' requested"):
+        reader.validate(mode="topk")
+
+
+def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch(tmp_path):
+    options = dict(k=12, mode="sampled", proposal_temperature=1.5, sample_seed=1)
+    write(tmp_path / "full", **options)
+    write(tmp_path / "other_batches", **options, micro_batch_size=1)       # draws depend on the sample only
+    write(tmp_path / "part", **options)
+    group = zarr.open_group(tmp_path / "part", mode="r+")
+    group[fmt.SHARD_DONE][1] = 0
+    group[fmt.IDS][4:8] = 0
+    group.attrs.update(complete=False)
+    stats = write(tmp_path / "part", **options)
+    assert (stats.shards_written, stats.shards_skipped) == (1, 2)
+    assert _tree(tmp_path / "part") == _tree(tmp_path / "full") == _tree(tmp_path / "other_batches")
+    with pytest.raises(ValueError, match="sample_seed: requested 2, on disk 1"):
+        write(tmp_path / "part", **(options | dict(sample_seed=2)))
+
+
+def test_stores_written_before_the_sampled_mode_stay_readable(tmp_path):
+    write(tmp_path / "c")
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    attrs = dict(group.attrs)
+    for key in ("mode", "proposal_temperature", "sample_seed"):
+        del attrs[key]
+    group.attrs.put(attrs)
+    reader = TopKCacheReader(tmp_path / "c")
+    assert reader.spec.mode == "topk" and fmt.SAMPLE_WEIGHTS not in reader[0]

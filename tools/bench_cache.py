@@ -12,6 +12,12 @@ mean and max over tokens, nats), the fraction of tokens whose decoded top-K mass
 excluding the teacher forward, and reader tokens/s (``TopKCacheReader[i]`` in random order, torch tensors) next
 to zarr's own ``array[i]`` for ids + log-probs.
 
+``--sampled`` prints instead bytes/token of sampled stores (issue #8) at N in ``--draws`` (t = 1, default codec,
+duplicates kept and delta-coded: the store format) next to top-K stores at K in ``--topks``, and the alternative
+layout it was chosen over: the distinct drawn ids (padded to N by repeating the last) + uint8 counts + their
+log-probs, as plain zarr arrays with the store's codecs; plus the mean number of distinct ids and the teacher
+mass they cover.
+
 ``--overhead`` saves a randomly initialised GPT teacher (``--overhead-teacher``) and an indexed dataset of random
 tokens, runs ``tools/cache_teacher_logits.py`` on them under torchrun at each ``--tp`` and prints the tool's own
 report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes).
@@ -145,6 +151,61 @@ def store_row(source, logits_fn, exact, k, vocab, codec, work: pathlib.Path, mic
                 zarr_read=reader_rate(lambda i: (group[fmt.IDS][i], group[fmt.LOGPROBS][i]), n, s))
 
 
+def distinct_with_counts(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layout (b) of sorted draws ``[..., N]``: distinct ids (padded by repeating the last), uint8 counts (0 on
+    padding) and their log-probs, each ``[..., N]``."""
+    n = ids.shape[-1]
+    first = np.ones(ids.shape, dtype=bool)
+    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    starts = np.argsort(~first, axis=-1, kind="stable")                  # first-occurrence positions, in order
+    distinct = first.sum(-1, keepdims=True)
+    slot = np.broadcast_to(np.arange(n), ids.shape)
+    position = np.take_along_axis(starts, np.minimum(slot, distinct - 1), -1)
+    following = np.where(slot + 1 < distinct, np.take_along_axis(starts, np.minimum(slot + 1, n - 1), -1), n)
+    counts = np.where(slot < distinct, following - position, 0).astype(np.uint8)
+    return np.take_along_axis(ids, position, -1), counts, np.take_along_axis(logprobs, position, -1)
+
+
+def sampled_rows(source, logits_fn, vocab, draws, topks, work: pathlib.Path, micro_batch_size: int) -> list[str]:
+    """Markdown rows: top-K stores, sampled stores (format (a)) and layout (b) of the same draws."""
+    tokens = len(source) * source.seq_length
+    options = dict(vocab_size=vocab, teacher="bench", samples_per_shard=8, micro_batch_size=micro_batch_size,
+                   progress=False)
+    rows = []
+    for k in topks:
+        write_cache(source, logits_fn, work / f"top{k}", k=k, **options)
+        sizes = stored_bytes(work / f"top{k}")
+        mass = np.exp(zarr.open_group(work / f"top{k}", mode="r")[fmt.LOGPROBS][:].astype(np.float64)).sum(-1)
+        rows.append(f"| top-K, K={k} | {sizes[fmt.IDS] / tokens:.1f} | {sizes[fmt.LOGPROBS] / tokens:.1f} | - | "
+                    f"{sum(sizes.values()) / tokens:.1f} | {k} | {mass.mean():.3f} |")
+    for n in draws:
+        path = work / f"sampled{n}"
+        write_cache(source, logits_fn, path, k=n, mode="sampled", **options)
+        sizes = stored_bytes(path)
+        group = zarr.open_group(path, mode="r")
+        ids, logprobs = group[fmt.IDS][:], group[fmt.LOGPROBS][:]
+        distinct_ids, counts, distinct_lp = distinct_with_counts(ids, logprobs)
+        distinct_mass = np.where(counts > 0, np.exp(distinct_lp.astype(np.float64)), 0.0).sum(-1)
+        alternative = {}
+        for name, values in (("ids", distinct_ids), ("counts", counts), ("lp", distinct_lp)):
+            template = group[{"ids": fmt.IDS, "counts": fmt.IDS, "lp": fmt.LOGPROBS}[name]]
+            filters = template.filters if name != "counts" else ()
+            compressor = fmt._blosc(values.dtype.itemsize, "bitshuffle" if name != "lp" else "shuffle")
+            array = zarr.create_array(work / f"b{n}" / name, shape=values.shape, chunks=template.chunks,
+                                      shards=template.shards, dtype=values.dtype, filters=filters,
+                                      compressors=compressor)
+            array[:] = values
+            alternative[name] = sum(f.stat().st_size for f in (work / f"b{n}" / name).rglob("*") if f.is_file())
+        rows.append(f"| sampled, N={n} (store: draws sorted, duplicates kept) | {sizes[fmt.IDS] / tokens:.1f} | "
+                    f"{sizes[fmt.LOGPROBS] / tokens:.1f} | - | {sum(sizes.values()) / tokens:.1f} | "
+                    f"{(counts > 0).sum(-1).mean():.1f} | {distinct_mass.mean():.3f} |")
+        other = sum(sizes.values()) - sizes[fmt.IDS] - sizes[fmt.LOGPROBS] + sum(alternative.values())
+        rows.append(f"| sampled, N={n}, layout (b): distinct ids + uint8 counts | {alternative['ids'] / tokens:.1f}"
+                    f" | {alternative['lp'] / tokens:.1f} | {alternative['counts'] / tokens:.1f} | "
+                    f"{other / tokens:.1f} | | |")
+    return rows
+
+
 def print_table(title: str, rows: list[dict], tokens: int) -> None:
     print(f"\n### {title}\n")
     print("| candidate | ids B/tok | log-probs B/tok | store B/tok | vs raw | KL mean (nats) | KL max | "
@@ -237,6 +298,9 @@ def main() -> None:
     parser.add_argument("--teacher", default=None, help="save_gpt folder (with --data): measure a real teacher")
     parser.add_argument("--data", default=None, help="indexed dataset prefix for --teacher")
     parser.add_argument("--overhead", action="store_true", help="measure the cache tool against a plain forward")
+    parser.add_argument("--sampled", action="store_true", help="bytes/token of sampled stores next to top-K ones")
+    parser.add_argument("--draws", type=int, nargs="+", default=[8, 16, 32], help="N for --sampled")
+    parser.add_argument("--topks", type=int, nargs="+", default=[8, 32, 100], help="K for --sampled")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for --overhead")
     parser.add_argument("--overhead-teacher", default="12x768", choices=sorted(OVERHEAD_SPECS),
                         help="teacher shape for --overhead")
@@ -258,6 +322,15 @@ def main() -> None:
         work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_"))
         try:
             tokens = len(source) * source.seq_length
+            if args.sampled:
+                print(f"\n### {label}: {len(source)} samples x {source.seq_length} tokens, default codec "
+                      f"({fmt.DEFAULT_LOGPROB_CODEC}), proposal temperature 1\n")
+                print("| store | ids B/tok | log-probs B/tok | counts B/tok | store B/tok | distinct ids / token "
+                      "| teacher mass of the stored ids |")
+                print("|---|---:|---:|---:|---:|---:|---:|")
+                print("\n".join(sampled_rows(source, logits_fn, vocab, args.draws, args.topks, work,
+                                             args.micro_batch_size)))
+                continue
             exact = exact_topk(source, logits_fn, args.k)
             rows = baseline_rows(exact, args.k, work)
             rows += [store_row(source, logits_fn, exact, args.k, vocab, codec, work, args.micro_batch_size)

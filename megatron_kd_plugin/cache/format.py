@@ -6,6 +6,7 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle
     teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]
+    teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards
     shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)
 
 Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` given ``tokens[i, :t+1]``:
@@ -17,7 +18,14 @@ V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.p
 int32: vocabularies up to 2^31. Log-probs default to fp16 bit-rounded to 7 mantissa bits (bfloat16's precision):
 ~106 B/token, mean round-trip KL ~2e-5 nats.
 
-Group attributes: ``format`` (:data:`FORMAT_NAME`), ``version`` (:data:`FORMAT_VERSION`), every field of
+Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issue #8): the same arrays with K = N
+draws per token from the proposal q ∝ p^(1/t) (``sample.py``): ``teacher_ids`` holds the N drawn ids sorted
+ascending with duplicates kept (a repeat delta-codes to 0, so the multiplicity costs ~nothing; this measured
+smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` the teacher's l of each (same
+codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
+computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
+
+Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version`` (:data:`FORMAT_VERSION`), every field of
 :class:`CacheSpec` (K, vocab size, seq_length, sample count, cache temperature, teacher and tokenizer identity,
 source-data fingerprint, log-prob codec, shard size), ``complete`` and ``progress``.
 
@@ -45,10 +53,15 @@ from zarr.codecs import BloscCodec
 from zarr.codecs import numcodecs as numcodecs_zarr3
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"
+SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
+FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
+"""The ``format`` attribute of each ``mode``."""
 FORMAT_VERSION = 1
 
-TOKENS, IDS, LOGPROBS, LOGSUMEXP, SHARD_DONE = (
-    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "shard_done")
+TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE = (
+    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "shard_done")
+SAMPLE_WEIGHTS = "teacher_sample_weights"
+"""The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +90,7 @@ class CacheSpec:
     """What a store holds; written as the group attributes and compared on resume and by readers."""
 
     k: int
-    """Top-K ids per token."""
+    """Slots per token: the top-K ids (mode "topk") or the N draws (mode "sampled")."""
     vocab_size: int
     """The teacher's vocabulary size (ids are < vocab_size)."""
     seq_length: int
@@ -98,13 +111,28 @@ class CacheSpec:
     """Samples per shard file, the unit one writer rank owns and the resume granularity."""
     store_logsumexp: bool = False
     """Also store the teacher's full-vocab logsumexp per token."""
+    mode: str = "topk"
+    """``topk``: the K most likely ids; ``sampled``: N ids drawn from q ∝ p^(1/t) (``sample.py``)."""
+    proposal_temperature: float = 1.0
+    """t of the sampled mode's proposal (1 in the top-K mode)."""
+    sample_seed: int = 0
+    """Seed of the sampled mode's uniforms, drawn per (seed, sample index) (0 in the top-K mode)."""
 
     def __post_init__(self):
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.k > self.vocab_size:
+        if self.mode not in FORMAT_NAMES:
+            raise ValueError(f"mode={self.mode!r}; choose one of {sorted(FORMAT_NAMES)}")
+        if self.mode == "topk" and self.k > self.vocab_size:
             raise ValueError(f"k={self.k} exceeds vocab_size={self.vocab_size}")
+        if self.mode == "topk" and (self.proposal_temperature != 1.0 or self.sample_seed != 0):
+            raise ValueError(f"proposal_temperature={self.proposal_temperature} / sample_seed={self.sample_seed} "
+                             "apply to the sampled mode only (mode='sampled')")
+        if not self.proposal_temperature > 0:
+            raise ValueError(f"proposal_temperature must be > 0, got {self.proposal_temperature}")
+        if self.sample_seed < 0:
+            raise ValueError(f"sample_seed must be >= 0, got {self.sample_seed}")
         if self.vocab_size > 2**31:
             raise ValueError(f"vocab_size={self.vocab_size} does not fit int32 ids")
         if not self.temperature > 0:
@@ -117,6 +145,11 @@ class CacheSpec:
         return LOGPROB_CODECS[self.logprob_codec].dtype
 
     @property
+    def stores_proposal_lognorm(self) -> bool:
+        """A sampled store keeps G = logsumexp(l / t) per token only when t != 1 (else G = 0)."""
+        return self.mode == "sampled" and self.proposal_temperature != 1.0
+
+    @property
     def num_shards(self) -> int:
         return -(-self.num_samples // self.samples_per_shard)
 
@@ -126,13 +159,15 @@ class CacheSpec:
         return begin, min(begin + self.samples_per_shard, self.num_samples)
 
     def to_attrs(self) -> dict[str, Any]:
-        return dict(format=FORMAT_NAME, version=FORMAT_VERSION, **dataclasses.asdict(self))
+        return dict(format=FORMAT_NAMES[self.mode], version=FORMAT_VERSION, **dataclasses.asdict(self))
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "CacheSpec":
-        if attrs.get("format") != FORMAT_NAME:
-            raise ValueError(f"not a teacher top-K cache: format attribute {attrs.get('format')!r}, "
-                             f"expected {FORMAT_NAME!r}")
+        """The spec of a store's attributes; stores written before the sampled mode (no ``mode``) are top-K."""
+        mode = attrs.get("mode", "topk")
+        if attrs.get("format") not in FORMAT_NAMES.values() or attrs.get("format") != FORMAT_NAMES.get(mode):
+            raise ValueError(f"not a teacher cache: format attribute {attrs.get('format')!r} with mode {mode!r}, "
+                             f"expected one of {FORMAT_NAMES}")
         if attrs.get("version") != FORMAT_VERSION:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
                              f"(this reader reads version {FORMAT_VERSION})")
@@ -169,18 +204,19 @@ def create_store(path, spec: CacheSpec) -> None:
 def _create_arrays(path: pathlib.Path, spec: CacheSpec) -> None:
     group = zarr.open_group(path, mode="w-", zarr_format=3)
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
+    slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
     logprob_filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
     group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
                        compressors=_blosc(4), fill_value=0, dimension_names=("sample", "position"))
     group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
                        filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=_blosc(4, "bitshuffle"),
-                       fill_value=0, dimension_names=("sample", "position", "rank"))
+                       fill_value=0, dimension_names=("sample", "position", slot))
     group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
                        filters=logprob_filters, compressors=_blosc(np.dtype(codec.dtype).itemsize),
-                       fill_value=0.0, dimension_names=("sample", "position", "rank"))
-    if spec.store_logsumexp:
-        group.create_array(LOGSUMEXP, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
+                       fill_value=0.0, dimension_names=("sample", "position", slot))
+    for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
+        group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                            compressors=_blosc(4), fill_value=0.0, dimension_names=("sample", "position"))
     group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=None,
                        fill_value=0, dimension_names=("shard",))

@@ -1,7 +1,9 @@
 """Random access to a finished teacher top-K store (format: ``format.py``), as torch tensors.
 
 ``reader[i]`` is sample i: ``tokens`` int64 ``[S+1]``, ``teacher_ids`` int64 ``[S, K]`` (sorted ascending per
-row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``.
+row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
+a sampled store (K = N draws) also carry ``teacher_sample_weights`` float32 ``[S, K]``, the importance weights
+w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``sample.sample_weights``.
 ``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
 cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store,
 ``validate`` checks the store against what the student expects; both raise ValueError saying what is wrong.
@@ -17,6 +19,7 @@ import zarr
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
+from megatron_kd_plugin.cache.sample import sample_weights
 
 
 class TopKCacheReader:
@@ -34,7 +37,8 @@ class TopKCacheReader:
                              f"{self.spec.num_samples} are not written; rerun the cache tool with the same command "
                              "to complete it")
         self.group = group
-        names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + ([fmt.LOGSUMEXP] if self.spec.store_logsumexp else [])
+        names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * self.spec.store_logsumexp + \
+            [fmt.PROPOSAL_LOGNORM] * self.spec.stores_proposal_lognorm
         self._arrays = {name: group[name] for name in names}
         self._chunk_readers = {name: open_chunk_reader(self.path / name, array)
                                for name, array in self._arrays.items()}
@@ -43,11 +47,11 @@ class TopKCacheReader:
         return self.spec.num_samples
 
     def validate(self, *, vocab_size: int | None = None, seq_length: int | None = None, k: int | None = None,
-                 fingerprint: str | None = None, tokenizer: str | None = None) -> None:
+                 fingerprint: str | None = None, tokenizer: str | None = None, mode: str | None = None) -> None:
         """ValueError unless the store fits a student with these settings (None: not checked).
 
         vocab_size: the student's (padded) vocabulary; the teacher's must not be larger. seq_length: must
-        divide the cached one. k, fingerprint, tokenizer: must equal the store's.
+        divide the cached one. k, fingerprint, tokenizer, mode: must equal the store's.
         """
         spec = self.spec
         if vocab_size is not None and spec.vocab_size > vocab_size:
@@ -56,7 +60,7 @@ class TopKCacheReader:
         if seq_length is not None and (seq_length < 1 or spec.seq_length % seq_length):
             raise ValueError(f"{self.path}: student seq_length={seq_length} does not divide the cached "
                              f"seq_length={spec.seq_length}")
-        for name, value in (("k", k), ("fingerprint", fingerprint), ("tokenizer", tokenizer)):
+        for name, value in (("k", k), ("fingerprint", fingerprint), ("tokenizer", tokenizer), ("mode", mode)):
             if value is not None and value != getattr(spec, name):
                 raise ValueError(f"{self.path}: {name}={value!r} requested, the store has {getattr(spec, name)!r}")
 
@@ -85,6 +89,11 @@ class TopKCacheReader:
                fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32))}
         if fmt.LOGSUMEXP in arrays:
             out[fmt.LOGSUMEXP] = torch.from_numpy(arrays[fmt.LOGSUMEXP][begin:end].copy())
+        if self.spec.mode == "sampled":
+            lognorm = arrays.get(fmt.PROPOSAL_LOGNORM)
+            out[fmt.SAMPLE_WEIGHTS] = sample_weights(
+                out[fmt.LOGPROBS], None if lognorm is None else torch.from_numpy(lognorm[begin:end].copy()),
+                self.spec.proposal_temperature)
         return out
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ The uniforms are a pure function of (seed, global sample index): :func:`sample_u
 depend on the TP or DP size, the micro-batch size or a resume.
 
 Shapes: logits ``[s, b, V/tp]``, uniforms ``[s, b, N]`` -> ids / log-probs ``[s, b, N]``, ``G`` and ``finite``
-``[s, b]``.
+``[s, b]`` (and LSE(z) ``[s, b]``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ class TeacherSample(NamedTuple):
     ids: int64 ``[s, b, N]`` the drawn global vocab ids, sorted ascending (duplicates kept).
     logprobs: float32 ``[s, b, N]`` l of those ids (full-vocab log-probs at the cache temperature).
     proposal_lognorm: float32 ``[s, b]`` G = logsumexp_v(l_v / t), 0 at t = 1.
+    logsumexp: float32 ``[s, b]`` LSE(z), the full-vocab LSE of the tempered logits.
     finite: bool ``[s, b]`` False where the token's logits (on any rank) hold a NaN or +inf.
     """
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     proposal_lognorm: torch.Tensor
+    logsumexp: torch.Tensor
     finite: torch.Tensor
 
 
@@ -121,4 +123,5 @@ def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, tempe
     if proposal_temperature == 1.0:
         lognorm = torch.zeros_like(lognorm)
     finite = torch.isfinite(lse_z) & torch.isfinite(lognorm) & torch.isfinite(logprobs).all(dim=-1)
-    return TeacherSample(ids=ids, logprobs=logprobs.float(), proposal_lognorm=lognorm.float(), finite=finite)
+    return TeacherSample(ids=ids, logprobs=logprobs.float(), proposal_lognorm=lognorm.float(),
+                        logsumexp=lse_z.float(), finite=finite)

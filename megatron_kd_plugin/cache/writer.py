@@ -1,7 +1,8 @@
 """Writes a teacher top-K store (format: ``format.py``) from a token source and a teacher's logits.
 
 Parallelism: every rank of a tensor-parallel group runs the teacher on the same micro-batch and gets the same
-top-K (``topk.py``); only its TP rank 0 writes. Data-parallel groups own disjoint, contiguous ranges of whole
+top-K (``topk.py``) or the same draws (``sample.py``, uniforms from (sample_seed, sample index)); only its TP rank
+0 writes. Data-parallel groups own disjoint, contiguous ranges of whole
 shards, so no two writers touch one file. Global rank 0 alone creates the store and rewrites its attributes.
 
 Resume: a shard is processed from its samples alone, in micro-batches that never cross a shard, so a shard
@@ -25,6 +26,7 @@ import zarr
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -109,10 +111,28 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
                          "tokenized for another vocabulary?")
 
 
+def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int,
+                 tp_group) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of logits ``[s, b, V/tp]``
+    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws."""
+    if spec.mode == "sampled":
+        s, b = logits.shape[:2]
+        draw = vocab_parallel_sample(logits, sample_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
+                                     temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
+                                     tp_group=tp_group)
+        return {fmt.IDS: draw.ids, fmt.LOGPROBS: draw.logprobs, fmt.LOGSUMEXP: draw.logsumexp,
+                fmt.PROPOSAL_LOGNORM: draw.proposal_lognorm}, draw.finite
+    top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
+    ids, order = top.ids.sort(dim=-1)
+    return {fmt.IDS: ids, fmt.LOGPROBS: top.logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}, top.finite
+
+
 def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec, *, first_sample: int,
                   micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row)."""
-    ids_out, logprobs_out, lse_out = [], [], []
+    names = [fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * spec.store_logsumexp + \
+        [fmt.PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     tokens = torch.from_numpy(windows)
     for start in range(0, len(windows), micro_batch_size):
         batch = tokens[start:start + micro_batch_size, :-1]                     # [b, s]
@@ -120,22 +140,18 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         with torch.no_grad():
             logits = logits_fn(batch)                                            # [s, b, V/tp]
         stats.forward_seconds += time.perf_counter() - begin
-        top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
-        if not bool(top.finite.all()):
-            position, row = (~top.finite).nonzero()[0].tolist()
+        rows, finite = teacher_rows(logits, spec, first_sample=first_sample + start, tp_group=tp_group)
+        if not bool(finite.all()):
+            position, row = (~finite).nonzero()[0].tolist()
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
                              f", position {position} (predicting token {position + 1} of the window)")
-        ids = top.ids.transpose(0, 1)                                            # [b, s, K]
-        order = torch.argsort(ids, dim=-1)
-        ids_out.append(ids.gather(-1, order).to(torch.int32))
-        logprobs_out.append(top.logprobs.transpose(0, 1).gather(-1, order))
-        lse_out.append(top.logsumexp.transpose(0, 1))                            # [b, s]
+        for name in names:
+            out[name].append(rows[name].transpose(0, 1))                         # [b, s, ...]
         stats.tokens += batch.numel()
-    arrays = {fmt.TOKENS: windows.astype(np.int32), fmt.IDS: torch.cat(ids_out).numpy(),
-              fmt.LOGPROBS: torch.cat(logprobs_out).numpy().astype(spec.logprob_dtype)}
-    if spec.store_logsumexp:
-        arrays[fmt.LOGSUMEXP] = torch.cat(lse_out).numpy()
-    return arrays
+    dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
+              fmt.PROPOSAL_LOGNORM: np.float32}
+    return {fmt.TOKENS: windows.astype(np.int32)} | {name: torch.cat(values).numpy().astype(dtypes[name])
+                                                      for name, values in out.items()}
 
 
 def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
@@ -178,9 +194,12 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
 def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
                 temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
+                mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
                 overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
+
+    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and
@@ -192,7 +211,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
-                         samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp)
+                         samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
+                         proposal_temperature=proposal_temperature, sample_seed=sample_seed)
     check_vocab(source, vocab_size)
     _on_rank0(prepare_store, output, spec, overwrite)
     _barrier()
