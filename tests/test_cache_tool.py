@@ -152,3 +152,49 @@ def test_sigkill_at_several_points_then_resume_and_dp2_are_byte_identical_to_a_c
                             env=_env(2), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _tree(dp2) == _tree(clean)
+
+
+def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_the_mode(teacher_and_data, capsys):
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+
+    work, tokens, logprobs = teacher_and_data
+    output, n, t = work / "sampled_tp2.zarr", 16, 1.5
+    command = [arg for arg in _cache_command(work / "teacher", str(work / "data"), output, "--tp", "2",
+                                             "--num-samples", "6", "--micro-batch-size", "4",
+                                             "--logprob-codec", "fp32", "--samples-per-shard", "4", nproc=2)
+               if arg not in ("--topk", str(K))] + ["--sample", str(n), "--proposal-temperature", str(t),
+                                                    "--sample-seed", "3"]
+    result = subprocess.run(command, env=_env(2), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sampled N=16" in result.stdout
+    reader = TopKCacheReader(output)
+    reader.validate(vocab_size=SPEC.vocab_size, seq_length=S, k=n, mode="sampled")
+    mismatched = 0
+    for i in range(6):
+        sample, ref = reader[i], logprobs[i]                                           # ref: float64 [S, V]
+        draw = vocab_parallel_sample(ref.unsqueeze(1), sample_uniforms(3, i, 1, S, n), proposal_temperature=t)
+        mismatched += int((sample["teacher_ids"] != draw.ids[:, 0]).sum())
+        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, sample["teacher_ids"]),
+                                   atol=2e-5, rtol=0)
+        expected = sample_weights(ref.gather(-1, sample["teacher_ids"]), torch.logsumexp(ref / t, dim=-1), t)
+        torch.testing.assert_close(sample["teacher_sample_weights"], expected.float(), atol=1e-6, rtol=1e-4)
+    # float32 TP=2 logits vs the float64 TP=1 reference: a draw may flip only when its uniform falls within
+    # ~1e-6 of a CDF step (the TP=2 == TP=1 identity on equal logits is tests/test_cache_sample.py's)
+    assert mismatched <= 0.01 * 6 * S * n, mismatched
+    assert inspect_main([str(output), "--samples", "6"]) == 0
+    assert "mode: sampled, N=16 draws per token, proposal temperature 1.5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--topk", "4", "--sample", "8"], "exclude each other"),
+    (["--proposal-temperature", "2"], "only apply to a sampled store"),
+    (["--sample", "0"], "--sample=0"),
+    (["--sample", "8", "--proposal-temperature", "-1"], "expected > 0"),
+])
+def test_cli_refuses_bad_sampling_options(argv, message, capsys):
+    from megatron_kd_plugin.cache.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "8", *argv])
+    assert message in capsys.readouterr().err

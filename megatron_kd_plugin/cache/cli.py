@@ -8,6 +8,10 @@ folder (megatron-core GPTModel), or whatever ``--teacher-loader module:function`
 ``load(path, tp_size) -> model`` whose ``model(tokens, position_ids, attention_mask)`` gives ``[b, s, V/tp]``
 logits (the hook for Megatron-Bridge/HF teachers on GPU) together with the vocab size via ``--vocab-size``.
 Rerunning the same command resumes a killed run; ``--overwrite`` replaces a store written with other settings.
+
+``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
+from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
+same draws at any TP/DP size and after a resume).
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="store path (a directory, e.g. cache.zarr)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
     p.add_argument("--num-samples", type=int, default=None, help="first N windows only (default: all)")
-    p.add_argument("--topk", type=int, default=100, help="K")
+    p.add_argument("--topk", type=int, default=None, help="K of a top-K store (default 100)")
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="write a sampled store of N draws per token instead of the top-K")
+    p.add_argument("--proposal-temperature", type=float, default=None,
+                   help="t of the sampled store's proposal q ~ p^(1/t) (default 1; only with --sample)")
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of the draws (default 0; only with --sample)")
     p.add_argument("--temperature", type=float, default=1.0, help="cache temperature")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (only 1 is supported)")
@@ -50,7 +59,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
     p.add_argument("--overwrite", action="store_true", help="replace a store written with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sample is None:
+        extra = [flag for flag, value in (("--proposal-temperature", args.proposal_temperature),
+                                          ("--sample-seed", args.sample_seed)) if value is not None]
+        if extra:
+            p.error(f"{' and '.join(extra)} only apply to a sampled store: add --sample N")
+        args.mode, args.slots = "topk", 100 if args.topk is None else args.topk
+    else:
+        if args.topk is not None:
+            p.error("--topk and --sample exclude each other: a store holds the top-K or N draws per token")
+        args.mode, args.slots = "sampled", args.sample
+    for flag, value in (("--topk", args.topk), ("--sample", args.sample)):
+        if value is not None and value < 1:
+            p.error(f"{flag}={value}: expected >= 1")
+    if args.proposal_temperature is not None and not args.proposal_temperature > 0:
+        p.error(f"--proposal-temperature={args.proposal_temperature}: expected > 0")
+    return args
 
 
 def init_distributed(tp: int, pp: int) -> None:
@@ -106,17 +131,20 @@ def run(args) -> None:
     source = open_source(args.data, args.seq_length, tokenizer=args.tokenizer, num_samples=args.num_samples,
                          text_key=args.text_key)
     stats = write_cache(
-        source, lambda tokens: gpt_logits(model, tokens), args.output, k=args.topk, vocab_size=vocab_size,
+        source, lambda tokens: gpt_logits(model, tokens), args.output, k=args.slots, vocab_size=vocab_size,
         teacher=identity, temperature=args.temperature, logprob_codec=args.logprob_codec,
         samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
-        micro_batch_size=args.micro_batch_size, overwrite=args.overwrite,
+        micro_batch_size=args.micro_batch_size, mode=args.mode,
+        proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
+        sample_seed=args.sample_seed or 0, overwrite=args.overwrite,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_rank=parallel_state.get_data_parallel_rank(), dp_size=parallel_state.get_data_parallel_world_size(),
         progress=not args.no_progress)
     if dist.get_rank() == 0:
         stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
         tokens = len(source) * source.seq_length
-        print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, K={args.topk}, "
+        slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.slots}"
+        print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
               f"{stored / tokens:.1f} bytes/token on disk", flush=True)
         if stats.tokens:
             print(f"[cache] rank 0 computed {stats.tokens} tokens in {stats.total_seconds:.2f} s "

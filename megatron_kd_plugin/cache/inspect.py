@@ -3,8 +3,9 @@
 Prints the attributes, completeness (and the missing samples of an unfinished store), bytes on disk per token
 (total and per array), and over up to N written samples (evenly spaced) the quantiles of the top-K mass
 m = Σ_k p_k and of the teacher entropy over the K+1 buckets (the K ids plus the tail as one bucket:
-H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the full-vocab entropy). ``--plot`` draws both
-histograms into a PNG.
+H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the full-vocab entropy). For a sampled store (``mode``
+shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
+``--plot`` draws both histograms into a PNG.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mass, -(p * logprobs).sum(-1) - tail_term
 
 
+def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids ``[...]``, teacher mass of the distinct ids ``[...]``) of sorted draws ``[..., N]``."""
+    first = np.ones(ids.shape, dtype=bool)
+    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return first.sum(-1), np.where(first, np.exp(logprobs.astype(np.float64)), 0.0).sum(-1)
+
+
 def stored_bytes(path: pathlib.Path) -> dict[str, int]:
     """Bytes on disk per top-level entry of the store."""
     return {child.name: sum(f.stat().st_size for f in child.rglob("*") if f.is_file()) if child.is_dir()
@@ -43,7 +51,9 @@ def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
     path = pathlib.Path(path)
     group = zarr.open_group(path, mode="r")
     spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
-    lines = [f"store {path}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
+    slots = f"top-K, K={spec.k}" if spec.mode == "topk" else \
+        f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
+    lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
     missing = fmt.missing_samples(group, spec)
     if group.attrs.get("complete") is True:
         lines.append(f"complete: yes ({spec.num_samples} samples)")
@@ -53,7 +63,7 @@ def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
     done = spec.num_samples - sum(end - begin for begin, end in missing)
     lines.append(f"bytes on disk: {sum(sizes.values())} for {done} of {spec.num_samples} samples; "
                  f"{sum(sizes.values()) / max(1, done * spec.seq_length):.1f} bytes/token written "
-                 f"(K={spec.k}, {spec.logprob_codec})")
+                 f"({slots}, {spec.logprob_codec})")
     lines += [f"  {name:<20} {size / max(1, done * spec.seq_length):8.1f} bytes/token" for name, size in sizes.items()]
     written = np.flatnonzero(group[fmt.SHARD_DONE][:])
     picked = np.concatenate([np.arange(*spec.shard_range(int(s))) for s in written]) if len(written) else \
@@ -62,8 +72,13 @@ def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
         if len(picked) else picked
     stats: dict[str, np.ndarray] = {}
     if len(picked):
-        mass, entropy = topk_statistics(np.stack([group[fmt.LOGPROBS][int(i)] for i in picked]))
-        stats = {"top-K mass": mass.ravel(), "entropy (nats, K+1 buckets)": entropy.ravel()}
+        logprobs = np.stack([group[fmt.LOGPROBS][int(i)] for i in picked])
+        if spec.mode == "sampled":
+            distinct, mass = sampled_statistics(np.stack([group[fmt.IDS][int(i)] for i in picked]), logprobs)
+            stats = {"distinct ids": distinct.ravel(), "mass of the drawn ids": mass.ravel()}
+        else:
+            mass, entropy = topk_statistics(logprobs)
+            stats = {"top-K mass": mass.ravel(), "entropy (nats, K+1 buckets)": entropy.ravel()}
         header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
         lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
         for name, values in stats.items():
