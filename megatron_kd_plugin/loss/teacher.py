@@ -57,7 +57,7 @@ def _drawn(logprobs: torch.Tensor, sample_weights: torch.Tensor) -> torch.Tensor
 
 
 def teacher_mass(ids: torch.Tensor, logprobs: torch.Tensor, sample_weights: torch.Tensor | None) -> torch.Tensor:
-    """[T] untempered mass of the teacher's slots: sum_k exp(l_k) (repeated top-K slots split an id's mass), or with
+    """[..., K] slots -> [...] untempered mass of the teacher's slots: sum_k exp(l_k) (repeated top-K slots split an id's mass), or with
     ``sample_weights`` the mass of the distinct drawn ids (a repeated draw is counted once)."""
     probs = logprobs.exp()                                                     # exp(-inf) = 0 at padding
     if sample_weights is None:
