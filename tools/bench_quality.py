@@ -1,23 +1,29 @@
-"""Distillation quality: does the offline top-K route keep what online, full-vocabulary KD gives?
+"""Distillation quality: does an offline teacher cache keep what online, full-vocabulary KD gives?
 
-    python tools/bench_quality.py [--preset default|mini] [--output bench_results/quality] [--reuse outputs/demo]
+    python tools/bench_quality.py [--preset default|small|mini] [--output bench_results/quality] [--reuse outputs/demo]
 
 First the demo's stages 1-3 (``megatron_kd_plugin.demo.pipeline``: stdlib corpus, teacher, top-100 cache at
-TP=2), or ``--reuse`` a finished demo folder's. Then students of one architecture, step budget, batch order,
-learning-rate schedule and seed, each trained by the Megatron-Bridge CPU path (``train_on_cpu``) in its own
-child process, differing only in their loss:
+TP=2), or ``--reuse`` a finished demo folder's; then, for the sampled variants, sampled stores written by the same
+cache tool (``--sample N``, TP=2). Then students of one architecture, step budget, batch order, learning-rate
+schedule and seed, each trained by the Megatron-Bridge CPU path (``train_on_cpu``) in its own child process,
+differing only in their loss:
 
     ce            hard labels only (the fused loss at alpha = 0)
     dense         online KD: the teacher runs in the loop, forward KL to its full softmax over the whole
                   vocabulary (the quality ceiling; no cache), alpha * KL + (1 - alpha) * CE
-    top-K tail    the fused loss on the cache's K highest teacher log-probs, K in {1, 8, 32, 100}, tail in
+    topK-tail     the fused loss on the cache's K highest teacher log-probs, K in {1, 8, 32, 100}, tail in
                   {ghost, none, renorm}, forward KL, the same alpha
+    sampleN       the fused loss's unbiased sampled estimator (tail = sampled) on a store of N ids drawn per token
+                  from the teacher (N in {8, 16, 32}), the same alpha
+    eqbytesN      top-K ghost with the largest K whose store takes no more bytes per token than sampleN's (the
+                  top-100 store truncated to K and re-encoded with the cache's codecs, to measure its size)
 
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
-Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with its
-training wall time and peak memory (resident set above the child's baseline before training, big allocations
-forced through mmap so freed memory leaves RSS). One table (markdown, also in ``results.md``) and one PNG.
+Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with the
+bytes per token of the cache it reads, its training wall time and peak memory (resident set above the child's
+baseline before training, big allocations forced through mmap so freed memory leaves RSS). One table (markdown,
+also in ``results.md``) and one PNG.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ if str(REPO_ROOT) not in sys.path:
 
 TOPK = (1, 8, 32, 100)
 TAILS = ("ghost", "none", "renorm")
-VARIANTS = ("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
+SAMPLES = (8, 16, 32)
+VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
+            + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES))
 
 
 def _truncate_topk(batch: dict, k: int) -> dict:
@@ -96,6 +104,64 @@ def dense_forward_step(teacher, alpha: float):
     return step
 
 
+def sampled_store(work: pathlib.Path, n: int) -> pathlib.Path:
+    return work / f"cache_sample{n}.zarr"
+
+
+def store_bytes_per_token(store: pathlib.Path) -> float:
+    """Bytes on disk of a store (every file) per cached token."""
+    from megatron_kd_plugin.cache import TopKCacheReader
+
+    spec = TopKCacheReader(store).spec
+    return sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) / (spec.num_samples * spec.seq_length)
+
+
+def truncated_topk_bytes(store: pathlib.Path, k: int, scratch: pathlib.Path) -> float:
+    """Bytes per token a top-``k`` store would take: ``store`` (a top-K store, K >= k) cut to each token's k most
+    probable entries, written with the same codecs and shards into ``scratch`` (removed afterwards)."""
+    import dataclasses as dc
+    import shutil
+
+    import numpy as np
+
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.writer import store_shard
+
+    reader = TopKCacheReader(store)
+    spec = dc.replace(reader.spec, k=k)
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    fmt.create_store(scratch, spec)
+    import zarr
+
+    group = zarr.open_group(scratch, mode="r+")
+    for shard in range(spec.num_shards):
+        begin, end = spec.shard_range(shard)
+        logprobs = reader.group[fmt.LOGPROBS][begin:end]                           # [P, S, K]
+        keep = np.sort(np.argsort(-logprobs, axis=-1, kind="stable")[..., :k], axis=-1)
+        ids = np.take_along_axis(reader.group[fmt.IDS][begin:end], keep, -1)     # still sorted by id
+        store_shard(group, spec, shard, {fmt.TOKENS: reader.group[fmt.TOKENS][begin:end], fmt.IDS: ids,
+                                         fmt.LOGPROBS: np.take_along_axis(logprobs, keep, -1)})
+    group.attrs.update(complete=True)
+    size = store_bytes_per_token(scratch)
+    shutil.rmtree(scratch)
+    return size
+
+
+def equal_bytes_k(store: pathlib.Path, budget: float, scratch: pathlib.Path) -> tuple[int, float]:
+    """(largest K whose truncated top-K store takes <= ``budget`` bytes/token, its bytes/token); K >= 1."""
+    from megatron_kd_plugin.cache import TopKCacheReader
+
+    low, high = 1, TopKCacheReader(store).spec.k
+    sizes = {1: truncated_topk_bytes(store, 1, scratch)}
+    while low < high:                                        # bytes grow with K: bisect
+        mid = (low + high + 1) // 2
+        sizes[mid] = truncated_topk_bytes(store, mid, scratch)
+        low, high = (mid, high) if sizes[mid] <= budget else (low, mid - 1)
+    return low, sizes[low]
+
+
 def _rss_bytes() -> int:
     import psutil
 
@@ -116,6 +182,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     from tools.train_kd import build_config
 
     cfg = PRESETS[preset]
+    sizes = json.loads((work / "bench" / "bytes.json").read_text())
     if student_steps is not None:
         cfg = dataclasses.replace(cfg, student_steps=student_steps)
     if alpha is not None:
@@ -125,22 +192,26 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     with single_process_megatron(cfg.seed):
         baseline = _rss_bytes()
         teacher = None
+        store, tail = work / "cache.zarr", None
         if variant == "dense":
             teacher, _ = load_gpt(work / "teacher", tp_size=1)
             teacher.eval()
             step_func = dense_forward_step(teacher, cfg.kd_alpha)
         elif variant == "ce":
             step_func = topk_forward_step(1)  # the KD term is weighted 0; one cached entry keeps the pass cheap
+        elif variant.startswith("sample"):
+            store, tail, step_func = sampled_store(work, int(variant.removeprefix("sample"))), "sampled", None
         else:
-            k, tail = variant.removeprefix("top").split("-")
+            k, tail = variant.removeprefix("top").split("-") if variant.startswith("top") else (sizes[variant]["k"],
+                                                                                                 "ghost")
             step_func = topk_forward_step(int(k))
-        overrides = student_overrides(cfg, work / "cache.zarr", vocab, work / "bench" / variant,
+        overrides = student_overrides(cfg, store, vocab, work / "bench" / variant,
                                       alpha=0.0 if variant == "ce" else cfg.kd_alpha)
-        if variant.startswith("top"):
-            overrides.append(f"kd.tail={variant.split('-')[1]}")
+        if tail is not None:
+            overrides.append(f"kd.tail={tail}")
         config = build_config(STUDENT_RECIPE, overrides)
         start = time.perf_counter()
-        models, history = train_on_cpu(config, step_func)
+        models, history = train_on_cpu(config, *([] if step_func is None else [step_func]))
         seconds = time.perf_counter() - start
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
         if teacher is None:
@@ -148,7 +219,10 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
         metrics = evaluate({variant: models[0]}, teacher, heldout, micro_batch_size=cfg.micro_batch_size,
                            desc=f"eval {variant}")
-    return dict(variant=variant, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
+    size = sizes.get(variant, {"bytes_per_token": 0.0})
+    name = f"{variant} (top{size['k']}-ghost)" if variant.startswith("eqbytes") else variant
+    return dict(variant=name, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
+                bytes_per_token=size["bytes_per_token"],
                 student_steps=cfg.student_steps, train_seconds=seconds,
                 peak_mib=peak / 2**20, threads=torch.get_num_threads())
 
@@ -177,18 +251,67 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     pipeline.cache_teacher(cfg, corpus, work / "teacher", work / "cache.zarr")
 
 
+def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str]) -> None:
+    """The sampled stores the chosen variants read (``sampleN``, ``eqbytesN``), by the cache tool at TP=2."""
+    from megatron_kd_plugin.demo import pipeline
+    from megatron_kd_plugin.demo.data import DemoCorpus
+
+    cfg = pipeline.PRESETS[preset]
+    corpus = DemoCorpus.load(work / "data")
+    for n in sorted({int(v.removeprefix("sample").removeprefix("eqbytes")) for v in variants
+                     if v.startswith(("sample", "eqbytes"))}):
+        if not (sampled_store(work, n) / "zarr.json").exists():
+            pipeline.cache_teacher(cfg, corpus, work / "teacher", sampled_store(work, n), sample=n)
+
+
+def measure_bytes(work: pathlib.Path, variants: list[str]) -> dict:
+    """{variant: {"bytes_per_token", "k"}} of the cache each cached variant reads, into ``bench/bytes.json``."""
+    path = work / "bench" / "bytes.json"
+    sizes = json.loads(path.read_text()) if path.exists() else {}
+    store, scratch = work / "cache.zarr", work / "bench" / "truncated.zarr"
+    for variant in variants:
+        if variant in sizes or variant in ("ce", "dense"):
+            continue
+        if variant.startswith("top"):
+            k = int(variant.removeprefix("top").split("-")[0])
+            sizes[variant] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
+        elif variant.startswith("sample"):
+            n = int(variant.removeprefix("sample"))
+            sizes[variant] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n)))
+        else:
+            budget = store_bytes_per_token(sampled_store(work, int(variant.removeprefix("eqbytes"))))
+            k, size = equal_bytes_k(store, budget, scratch)
+            sizes[variant] = dict(k=k, bytes_per_token=size)
+        path.write_text(json.dumps(sizes, indent=1) + "\n")
+    return sizes
+
+
+def teacher_topk_mass(store: pathlib.Path) -> dict[int, float]:
+    """{K: mean over the cached tokens of the teacher's probability mass in its top-K}, K in ``TOPK``."""
+    import numpy as np
+
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache import format as fmt
+
+    probs = np.exp(TopKCacheReader(store).group[fmt.LOGPROBS][:].astype(np.float64))      # [N, S, K]
+    probs = -np.sort(-probs, axis=-1)
+    return {k: float(probs[..., :k].sum(-1).mean()) for k in TOPK if k <= probs.shape[-1]}
+
+
 def table(rows: list[dict]) -> str:
     """Markdown table; relative columns compare with the online dense-KD row."""
     dense = next((r for r in rows if r["variant"] == "dense"), None)
-    out = ["| student | held-out ppl | KL(teacher ‖ student) | ECE | ppl vs dense | KL vs dense | train s | "
-           "peak MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| student | cache B/token | held-out ppl | KL(teacher ‖ student) | ECE | ppl vs dense | KL vs dense | "
+           "train s | peak MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         rel = (f"{100 * (r['perplexity'] / dense['perplexity'] - 1):+.2f}% | "
                f"{100 * (r['kl_to_teacher'] / dense['kl_to_teacher'] - 1):+.2f}%" if dense else "- | -")
-        out.append(f"| {r['variant']} | {r['perplexity']:.3f} | {r['kl_to_teacher']:.4f} | {r['ece']:.4f} | {rel} | "
+        size = f"{r['bytes_per_token']:.1f}" if r.get("bytes_per_token") else "-"
+        out.append(f"| {r['variant']} | {size} | {r['perplexity']:.3f} | {r['kl_to_teacher']:.4f} | {r['ece']:.4f} | "
+                   f"{rel} | "
                    f"{r['train_seconds']:.1f} | {r['peak_mib']:.0f} |")
     teacher = rows[0]["teacher"]
-    out.append(f"| (teacher) | {teacher['perplexity']:.3f} | 0 | {teacher['ece']:.4f} | | | | |")
+    out.append(f"| (teacher) | | {teacher['perplexity']:.3f} | 0 | {teacher['ece']:.4f} | | | | |")
     return "\n".join(out)
 
 
@@ -203,14 +326,15 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, key, label in ((axes[0], "kl_to_teacher", "held-out KL(teacher ‖ student), nats/token"),
                            (axes[1], "perplexity", "held-out perplexity")):
         values = [r[key] for r in rows]
-        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else
+        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else "tab:purple" if n.startswith("sample")
+                  else "tab:cyan" if n.startswith("eqbytes") else
                   {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[n.split("-")[1]] for n in names]
         ax.bar(range(len(rows)), values, color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(label)
         ax.set_ylim(min(values) * 0.95, max(values) * 1.02)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("students: CE only, online dense KD, cached top-K x tail")
+    fig.suptitle("students: CE only, online dense KD, cached top-K x tail, sampled cache, top-K at sampled bytes")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -236,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     prepare_work(work, args.preset, args.reuse, args.overwrite)
     (work / "bench").mkdir(exist_ok=True)
+    prepare_sampled_stores(work, args.preset, args.variants)
+    measure_bytes(work, args.variants)
     rows = []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for variant in args.variants:
@@ -247,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
                             "--child", variant, *extra], check=True, env=env, cwd=REPO_ROOT)
         rows.append(json.loads(result.read_text()))
-    text = table(rows)
+    mass = teacher_topk_mass(work / "cache.zarr")
+    text = table(rows) + "\n\nTeacher probability mass in its top-K, mean over the cached tokens: " + ", ".join(
+        f"K={k}: {m:.3f}" for k, m in mass.items())
     (work / "results.md").write_text(text + "\n")
     plot(rows, work / "quality.png")
     print("\n" + text + f"\n\n[bench] {work / 'results.md'}, {work / 'quality.png'}")
