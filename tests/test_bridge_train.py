@@ -27,8 +27,9 @@ def tiny_overrides(store, *extra: str) -> list[str]:
             f"dataset.seq_length={SEQ}", f"dataset.k={K}", f"train.train_iters={STEPS}", *extra]
 
 
-def write_teacher_cache(store) -> None:
-    """A 2-layer random teacher (megatron-core GPTModel, TP=1) cached with the cache tool's ``write_cache``."""
+def write_teacher_cache(store, **options) -> None:
+    """A 2-layer random teacher (megatron-core GPTModel, TP=1) cached with the cache tool's ``write_cache``
+    (``options``: e.g. the sampled mode's)."""
     from megatron_kd_plugin.cache.sources import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
@@ -51,8 +52,8 @@ def write_teacher_cache(store) -> None:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         return teacher(tokens, positions, causal_mask(tokens.shape[1])).transpose(0, 1)           # GPTModel gives [b, s, V]
 
-    write_cache(source, logits_fn, store, k=K, vocab_size=VOCAB, teacher="tiny-random-gpt", samples_per_shard=4,
-                progress=False)
+    write_cache(source, logits_fn, store, **(dict(k=K) | options), vocab_size=VOCAB, teacher="tiny-random-gpt",
+                samples_per_shard=4, progress=False)
 
 
 def gathered_parameters(model) -> dict[str, torch.Tensor]:
@@ -91,6 +92,51 @@ def manual_ghost_kl(model, batch) -> tuple[float, int]:
     m, s = p.sum(-1), log_q.gather(-1, ids).exp().sum(-1)
     kl = (p * (log_p - log_q.gather(-1, ids))).sum(-1) + (1 - m) * (torch.log1p(-m) - torch.log1p(-s))
     return float((kl * batch["loss_mask"]).sum()), int(batch["loss_mask"].sum())
+
+
+def manual_sampled_kl(model, batch) -> float:
+    """The sampled tail's f = Σ_k w_k (l_k − log Q_{I_k}) summed over tokens, float64 from the model's logits."""
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["position_ids"], causal_mask(batch["tokens"].shape[1])).double()
+    log_q = torch.log_softmax(logits, dim=-1).gather(-1, batch["teacher_ids"].long())            # [b, s, N]
+    weights = batch["teacher_sample_weights"].double()
+    return float(((weights * (batch["teacher_logprobs"].double() - log_q)).sum(-1) * batch["loss_mask"]).sum())
+
+
+def sampled_store_step(sampled_store, topk_store, reference_model) -> dict:
+    """A sampled store (N=12, t=1.5) of the same teacher: dataset rows carry the weights, the forward step's loss
+    equals the float64 sampled KL, a training step runs, and tail/store mismatches are refused."""
+    from megatron.bridge.data.base import DatasetBuildContext
+
+    from megatron_kd_plugin.bridge.config import check_kd_config
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from tools.train_kd import build_config
+
+    n = 12
+    write_teacher_cache(sampled_store, k=n, mode="sampled", proposal_temperature=1.5, sample_seed=2)
+    cfg = build_config("tiny_gpt_kd_cpu_fp32_config", tiny_overrides(sampled_store, f"dataset.k={n}",
+                                                                     "kd.tail=sampled"))
+    cfg.model.finalize()
+    check_kd_config(cfg)
+    batch = fixed_batch(cfg)
+    dataset = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=1, valid_samples=0, test_samples=0))[0]
+    sample, window = dataset.window_of(0)
+    row = TopKCacheReader(sampled_store).window(sample * dataset.windows_per_sample + window, SEQ)
+    loss_sum, num_tokens, report = forward_step_loss(cfg, reference_model, batch)
+    _, history = train(sampled_store, f"dataset.k={n}", "kd.tail=sampled", "train.train_iters=1")
+    refusals = []
+    for store, tail, k in ((sampled_store, "ghost", n), (topk_store, "sampled", K)):
+        wrong = build_config("tiny_gpt_kd_cpu_fp32_config", tiny_overrides(store, f"dataset.k={k}", f"kd.tail={tail}"))
+        wrong.model.finalize()
+        try:
+            check_kd_config(wrong)
+            refusals.append("accepted")
+        except ValueError as exc:
+            refusals.append(str(exc))
+    return {"fused": float(loss_sum), "manual": manual_sampled_kl(reference_model, batch), "tokens": int(num_tokens),
+            "weights_equal": torch.equal(batch["teacher_sample_weights"][0], row["teacher_sample_weights"]),
+            "weights_shape": tuple(batch["teacher_sample_weights"].shape), "history": history,
+            "refusals": refusals}
 
 
 def fixed_batch(cfg, rows: int = 2) -> dict[str, torch.Tensor]:
@@ -140,7 +186,8 @@ def tp1_body(store):
                   "optimizer.lr=1e-3", "optimizer.min_lr=1e-3")[1],
     }
     return {"history": reference, "params": gathered_parameters(reference_model), "check": check,
-            "alpha_half": alpha_half, "ablations": ablations, "real_recipes": validate_real_recipes()}
+            "alpha_half": alpha_half, "ablations": ablations, "real_recipes": validate_real_recipes(),
+            "sampled": sampled_store_step(store.with_name("sampled.zarr"), store, reference_model)}
 
 
 def validate_real_recipes() -> dict[str, int]:
@@ -225,3 +272,13 @@ def test_one_store_serves_other_architectures_and_seq_lengths(runs):
         kd = [row["kd loss"] for row in history]
         assert len(kd) == STEPS and all(map(math.isfinite, kd)), name
         assert kd[-1] < kd[0], (name, kd)
+
+
+def test_one_training_step_on_a_sampled_store_and_its_loss_equals_the_float64_sampled_kl(runs):
+    sampled = runs[0]["sampled"]
+    assert sampled["weights_equal"] and sampled["weights_shape"] == (2, SEQ, 12)
+    assert sampled["tokens"] == 2 * SEQ
+    assert math.isclose(sampled["fused"], sampled["manual"], rel_tol=1e-5), sampled
+    assert len(sampled["history"]) == 1 and all(math.isfinite(v) for v in sampled["history"][0].values())
+    assert "kd.tail='ghost' does not fit the sampled store" in sampled["refusals"][0]
+    assert "kd.tail='sampled' does not fit the topk store" in sampled["refusals"][1]

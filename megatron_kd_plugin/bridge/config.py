@@ -26,7 +26,9 @@ class KDConfig:
     """Top-K distillation loss options (see ``KDLossOptions`` for each field's meaning)."""
 
     tail: str = _DEFAULTS.tail
-    """``ghost`` | ``none`` | ``renorm``: the teacher's mass outside its top-K."""
+    """``ghost`` | ``none`` | ``renorm``: the teacher's mass outside its top-K; ``sampled``: the store holds drawn ids
+    with importance weights (a sampled cache), an unbiased estimate of the full forward KL (needs
+    divergence=forward_kl, temperature=1)."""
     divergence: str = _DEFAULTS.divergence
     """``forward_kl`` | ``reverse_kl`` | ``jsd``."""
     jsd_beta: float = _DEFAULTS.jsd_beta
@@ -74,7 +76,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
     The loss options are valid; the dataset is a finished top-K cache whose K is the expected one, whose
-    vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's);
+    vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
+    whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
     context parallelism and virtual pipelines, which the KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
@@ -89,4 +92,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if (model.virtual_pipeline_model_parallel_size or 1) != 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}:"
                          " the KD step supports only None")
-    cfg.dataset.open_validated(vocab_size=model.vocab_size)
+    mode = cfg.dataset.open_validated(vocab_size=model.vocab_size).spec.mode
+    if (mode == "sampled") != (cfg.kd.tail == "sampled"):
+        raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "
+                         "store needs kd.tail='sampled', and kd.tail='sampled' a store written with --sample N")

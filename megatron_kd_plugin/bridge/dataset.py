@@ -7,6 +7,7 @@ sample. Window w of cached sample i gives the row
     labels           = cache.tokens[i][w*S + 1 : w*S + S + 1]    # [S], the token each position predicts
     teacher_ids      = cache.teacher_ids[i][w*S : w*S + S]       # [S, K], the teacher's top-K for those labels
     teacher_logprobs = cache.teacher_logprobs[i][w*S : w*S + S]  # [S, K]
+    teacher_sample_weights = the reader's importance weights   # [S, K], sampled stores only
     loss_mask        = 1, position_ids = 0..S-1                  # [S]
 
 Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
 
 
 class TopKCacheDataset(torch.utils.data.Dataset):
@@ -57,7 +60,8 @@ class TopKCacheDataset(torch.utils.data.Dataset):
         sample, window = self.window_of(int(row))
         cached = self.reader.window(sample * self.windows_per_sample + window, self.seq_length)
         tokens = cached["tokens"]                                       # [S + 1]
-        return {
+        weights = {SAMPLE_WEIGHTS: cached[SAMPLE_WEIGHTS]} if SAMPLE_WEIGHTS in cached else {}   # [S, K]
+        return weights | {
             "tokens": tokens[:-1],
             "labels": tokens[1:],
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),

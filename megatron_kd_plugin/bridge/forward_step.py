@@ -2,8 +2,9 @@
 
 Per microbatch:
   1. ``get_kd_batch`` takes the next batch-first dict from the data iterator, keeps what this pipeline stage needs
-     (first: tokens, position_ids; last: labels, loss_mask, teacher_ids, teacher_logprobs) and moves it to the
-     model's device. Bridge's own batch function cannot be used: it drops unknown keys (the teacher tensors).
+     (first: tokens, position_ids; last: labels, loss_mask, teacher_ids, teacher_logprobs, and
+     teacher_sample_weights when a sampled store yields them) and moves it to the model's device; the weights
+     reach the loss as ``sample_weights``. Bridge's own batch function cannot be used: it drops unknown keys (the teacher tensors).
   2. The model runs with GPTModel's ``output_processor`` hook: on the last stage the final-norm hidden states
      [s, b, H] (or [s/tp, b, H] with sequence parallelism) and this rank's lm_head shard [V/tp, H] go straight
      into ``topk_kd_loss``; no [s, b, V/tp] logits are built. The loss maps hidden through
@@ -23,10 +24,13 @@ import torch
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
 from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
 
 FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask", "teacher_ids", "teacher_logprobs")
+OPTIONAL_LAST_STAGE_KEYS = (SAMPLE_WEIGHTS,)
+"""Passed on when the batch has them (rows of a sampled store); None otherwise."""
 
 
 def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) -> dict[str, torch.Tensor | None]:
@@ -34,16 +38,18 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) ->
 
     Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
     """
+    keys = FIRST_STAGE_KEYS + LAST_STAGE_KEYS + OPTIONAL_LAST_STAGE_KEYS
     wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + (LAST_STAGE_KEYS if is_last_stage else ())
     if not wanted:
-        return dict.fromkeys(FIRST_STAGE_KEYS + LAST_STAGE_KEYS)
+        return dict.fromkeys(keys)
     batch = next(data_iterator)
     missing = [key for key in wanted if key not in batch]
     if missing:
         raise ValueError(f"KD batch lacks {missing}: the data iterator must yield TopKCacheDataset rows")
+    if is_last_stage:
+        wanted += tuple(key for key in OPTIONAL_LAST_STAGE_KEYS if key in batch)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return {key: batch[key].to(device, non_blocking=True) if key in wanted else None
-            for key in FIRST_STAGE_KEYS + LAST_STAGE_KEYS}
+    return {key: batch[key].to(device, non_blocking=True) if key in wanted else None for key in keys}
 
 
 def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
@@ -92,6 +98,7 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
             teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1),    # [s, b, K]
             loss_mask=batch["loss_mask"].t(),                              # [s, b]
             labels=batch["labels"].t() if options.alpha < 1.0 else None,  # [s, b]
+            sample_weights=None if batch[SAMPLE_WEIGHTS] is None else batch[SAMPLE_WEIGHTS].transpose(0, 1),
             tp_group=pg_collection.tp,
             sequence_parallel=config.sequence_parallel,
             **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
