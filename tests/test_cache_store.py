@@ -306,10 +306,13 @@ def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t)
         reader.validate(mode="topk")
 
 
-def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch(tmp_path):
+def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch_and_dp_split(tmp_path):
     options = dict(k=12, mode="sampled", proposal_temperature=1.5, sample_seed=1)
     write(tmp_path / "full", **options)
     write(tmp_path / "other_batches", **options, micro_batch_size=1)       # draws depend on the sample only
+    with pytest.raises(ValueError, match="cannot finish"):                 # DP rank 0 of 2 writes its shards ...
+        write(tmp_path / "dp2", **options, dp_rank=0, dp_size=2)
+    write(tmp_path / "dp2", **options, dp_rank=1, dp_size=2)               # ... DP rank 1 the rest, then finishes
     write(tmp_path / "part", **options)
     group = zarr.open_group(tmp_path / "part", mode="r+")
     group[fmt.SHARD_DONE][1] = 0
@@ -317,7 +320,8 @@ def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch(tmp_path
     group.attrs.update(complete=False)
     stats = write(tmp_path / "part", **options)
     assert (stats.shards_written, stats.shards_skipped) == (1, 2)
-    assert _tree(tmp_path / "part") == _tree(tmp_path / "full") == _tree(tmp_path / "other_batches")
+    assert _tree(tmp_path / "part") == _tree(tmp_path / "full") == _tree(tmp_path / "other_batches") == \
+        _tree(tmp_path / "dp2")
     with pytest.raises(ValueError, match="sample_seed: requested 2, on disk 1"):
         write(tmp_path / "part", **(options | dict(sample_seed=2)))
 
