@@ -28,7 +28,7 @@ class TopKCacheReader:
     def __init__(self, path):
         self.path = pathlib.Path(path)
         if not (self.path / "zarr.json").is_file():
-            raise ValueError(f"{self.path} is not a teacher top-K cache (no zarr.json)")
+            raise ValueError(f"{self.path} is not a teacher cache (no zarr.json)")
         group = zarr.open_group(self.path, mode="r")
         self.spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
         if group.attrs.get("complete") is not True:
