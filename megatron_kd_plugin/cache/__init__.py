@@ -1,6 +1,8 @@
-"""The offline teacher top-K cache: a Zarr v3 store of each token's top-K teacher ids and log-probs.
+"""The offline teacher cache: a Zarr v3 store of each token's top-K teacher ids and log-probs, or (sampled mode) of
+N ids drawn from the teacher with their log-probs.
 
-``format.py`` the store schema, ``topk.py`` vocab-parallel top-K extraction, ``sources.py`` token windows
+``format.py`` the store schema, ``topk.py`` vocab-parallel top-K extraction, ``sample.py`` vocab-parallel
+sampling and the importance weights, ``sources.py`` token windows
 (Megatron indexed dataset or JSONL + tokenizer), ``writer.py`` the resumable (DP x TP) writer, ``reader.py``
 random access as torch tensors, ``inspect.py`` the ``python -m megatron_kd_plugin inspect`` command.
 """
