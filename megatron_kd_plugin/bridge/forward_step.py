@@ -4,7 +4,8 @@ Per microbatch:
   1. ``get_kd_batch`` takes the next batch-first dict from the data iterator, keeps what this pipeline stage needs
      (first: tokens, position_ids; last: labels, loss_mask, teacher_ids, teacher_logprobs, and
      teacher_sample_weights when a sampled store yields them) and moves it to the model's device; the weights
-     reach the loss as ``sample_weights``. Bridge's own batch function cannot be used: it drops unknown keys (the teacher tensors).
+     reach the loss as ``sample_weights``. Bridge's own batch function cannot be used: it drops unknown keys (the
+     teacher tensors).
   2. The model runs with GPTModel's ``output_processor`` hook: on the last stage the final-norm hidden states
      [s, b, H] (or [s/tp, b, H] with sequence parallelism) and this rank's lm_head shard [V/tp, H] go straight
      into ``topk_kd_loss``; no [s, b, V/tp] logits are built. The loss maps hidden through

@@ -25,9 +25,10 @@ smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` t
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
 
-Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version`` (:data:`FORMAT_VERSION`), every field of
-:class:`CacheSpec` (K, vocab size, seq_length, sample count, cache temperature, teacher and tokenizer identity,
-source-data fingerprint, log-prob codec, shard size), ``complete`` and ``progress``.
+Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
+(:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
+temperature, teacher and tokenizer identity, source-data fingerprint, log-prob codec, shard size, proposal
+temperature, sample seed), ``complete`` and ``progress``.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
 arrays are written first, its ``shard_done`` element last (each chunk file is replaced atomically by zarr's
