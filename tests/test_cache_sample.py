@@ -114,6 +114,13 @@ def test_non_finite_logits_are_flagged_and_bad_arguments_raise():
         vocab_parallel_sample(logits, sample_uniforms(0, 0, B + 1, S, 4))
 
 
+def test_blocks_of_positions_give_the_same_draws():
+    logits, uniforms = make_logits(5), sample_uniforms(1, 0, B, S, 6)
+    whole = vocab_parallel_sample(logits, uniforms, proposal_temperature=1.5)
+    blocked = vocab_parallel_sample(logits, uniforms, proposal_temperature=1.5, block_bytes=24 * B * V * 2)
+    assert all(torch.equal(a, b) for a, b in zip(whole, blocked))                      # blocks of 2, 2 and 1
+
+
 def test_uniforms_depend_only_on_seed_and_sample_index():
     whole = sample_uniforms(9, 0, 6, S, 3)
     assert torch.equal(sample_uniforms(9, 4, 2, S, 3), whole[:, 4:])

@@ -76,16 +76,30 @@ def sample_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None
 
 
 def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
-                          proposal_temperature: float = 1.0, tp_group=None) -> TeacherSample:
+                          proposal_temperature: float = 1.0, tp_group=None,
+                          block_bytes: int = 2**30) -> TeacherSample:
     """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
 
     ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
-    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1.
+    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1. The float64
+    work buffers (~3 × 8 bytes per logit) are bounded by ``block_bytes``: blocks of positions are done in turn
+    (every rank has the same [s, b], so the collectives stay matched), with the same result.
     """
     if temperature <= 0 or proposal_temperature <= 0:
         raise ValueError(f"temperature={temperature} and proposal_temperature={proposal_temperature} must be > 0")
     if uniforms.shape[:-1] != logits.shape[:-1]:
         raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
+    rows = max(1, block_bytes // (24 * logits[0].numel()))                     # positions per block
+    if logits.shape[0] > rows:
+        blocks = [_sample_block(logits[i:i + rows], uniforms[i:i + rows], temperature, proposal_temperature,
+                                tp_group) for i in range(0, logits.shape[0], rows)]
+        return TeacherSample(*(torch.cat(parts) for parts in zip(*blocks)))
+    return _sample_block(logits, uniforms, temperature, proposal_temperature, tp_group)
+
+
+def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, proposal_temperature: float,
+                  tp_group) -> TeacherSample:
+    """:func:`vocab_parallel_sample` on one block of positions."""
     tp = group_size(tp_group)
     vocab_local = logits.shape[-1]
     z = logits.double() / temperature                                            # [s, b, V/tp]
