@@ -119,11 +119,11 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     else:
         masses, rank = mass, 0
     ends = masses.cumsum(dim=-1)                                                 # [s, b, tp] O_r + T_r
-    target = uniforms.to(torch.float64) * ends[..., -1:]                         # [s, b, N]
+    target = uniforms.to(device=ends.device, dtype=torch.float64) * ends[..., -1:]                         # [s, b, N]
     owner = torch.searchsorted(ends, target.contiguous(), right=True).clamp(max=tp - 1)       # [s, b, N]
     local_target = target - (ends[..., rank:rank + 1] - masses[..., rank:rank + 1])
     local = torch.searchsorted(cdf, local_target, right=True)                    # [s, b, N]
-    last_positive = torch.where(cdf > 0, torch.arange(vocab_local), 0).amax(dim=-1, keepdim=True)
+    last_positive = torch.where(cdf > 0, torch.arange(vocab_local, device=cdf.device), 0).amax(dim=-1, keepdim=True)
     local = torch.minimum(local, last_positive)                                  # rounding past the shard's end
     mine = owner == rank
     ids = torch.where(mine, local + rank * vocab_local, 0)                       # [s, b, N] int64

@@ -146,7 +146,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
                              f", position {position} (predicting token {position + 1} of the window)")
         for name in names:
-            out[name].append(rows[name].transpose(0, 1))                         # [b, s, ...]
+            out[name].append(rows[name].transpose(0, 1).cpu())                   # [b, s, ...]
         stats.tokens += batch.numel()
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
               fmt.PROPOSAL_LOGNORM: np.float32}
