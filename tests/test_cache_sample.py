@@ -64,7 +64,9 @@ def test_importance_weights_are_unbiased_for_p(t):
 def tp_case_logits():
     logits = make_logits(2)
     logits[1, 1, 18:] = float("-inf")                # the last shard at TP=4 has no mass for this token
-    return logits, sample_uniforms(5, 0, B, S, 64)
+    uniforms = sample_uniforms(5, 0, B, S, 64)
+    uniforms[1, 1, :2] = 1.0                         # u · ΣT rounded up to ΣT: the last id with mass (17)
+    return logits, uniforms
 
 
 def _tp_draws(tp_sizes, proposal_temperatures):
@@ -90,7 +92,7 @@ def test_tensor_parallel_draws_equal_single_rank_draws_at_tp2_and_tp4():
     per_rank = run_on_ranks(4, _tp_draws, (2, 4), temperatures)          # one spawn of 4 ranks, both TP sizes
     for case, t in enumerate(temperatures):
         single = vocab_parallel_sample(logits, uniforms, temperature=0.9, proposal_temperature=t)
-        assert (single.ids[1, 1] < 18).all()
+        assert (single.ids[1, 1] < 18).all() and (single.ids[1, 1, -2:] == 17).all() and single.finite.all()
         for tp in (2, 4):
             for rank in range(4):
                 draw = per_rank[rank][tp][case]

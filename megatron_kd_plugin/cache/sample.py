@@ -75,6 +75,11 @@ def sample_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None
     return (torch.exp(log_ratio) / n).float()
 
 
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[..., 1]``: the last index along the last dim where ``mask`` ``[..., n]`` is True (n − 1 if none)."""
+    return mask.shape[-1] - 1 - mask.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
+
+
 def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
                           proposal_temperature: float = 1.0, tp_group=None,
                           block_bytes: int = 2**30) -> TeacherSample:
@@ -109,7 +114,8 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     if tp > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
     top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype))
-    cdf = torch.exp(y - top.unsqueeze(-1)).cumsum(dim=-1)                        # [s, b, V/tp] float64
+    weights = y.sub_(top.unsqueeze(-1)).exp_()                                  # [s, b, V/tp] exp(y − M), in place
+    cdf = weights.cumsum(dim=-1)                                                 # [s, b, V/tp] float64
     mass = cdf[..., -1:].contiguous()                                            # [s, b, 1] T_r
     if tp > 1:
         masses = [torch.empty_like(mass) for _ in range(tp)]
@@ -119,12 +125,11 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     else:
         masses, rank = mass, 0
     ends = masses.cumsum(dim=-1)                                                 # [s, b, tp] O_r + T_r
-    target = uniforms.to(device=ends.device, dtype=torch.float64) * ends[..., -1:]                         # [s, b, N]
-    owner = torch.searchsorted(ends, target.contiguous(), right=True).clamp(max=tp - 1)       # [s, b, N]
-    local_target = target - (ends[..., rank:rank + 1] - masses[..., rank:rank + 1])
-    local = torch.searchsorted(cdf, local_target, right=True)                    # [s, b, N]
-    last_positive = torch.where(cdf > 0, torch.arange(vocab_local, device=cdf.device), 0).amax(dim=-1, keepdim=True)
-    local = torch.minimum(local, last_positive)                                  # rounding past the shard's end
+    target = uniforms.to(device=ends.device, dtype=torch.float64) * ends[..., -1:]      # [s, b, N] u · ΣT
+    owner = torch.minimum(torch.searchsorted(ends, target.contiguous(), right=True),   # [s, b, N]
+                          last_index(masses > 0))                                # u · ΣT rounded up to ΣT
+    local = torch.searchsorted(cdf, target - (ends - masses)[..., rank:rank + 1], right=True)
+    local = torch.minimum(local, last_index(weights > 0))                        # rounding past the shard's end
     mine = owner == rank
     ids = torch.where(mine, local + rank * vocab_local, 0)                       # [s, b, N] int64
     logprobs = torch.where(mine, z.gather(-1, local) - lse_z.unsqueeze(-1), 0.0)
