@@ -104,8 +104,14 @@ def dense_forward_step(teacher, alpha: float):
     return step
 
 
-def sampled_store(work: pathlib.Path, n: int) -> pathlib.Path:
-    return work / f"cache_sample{n}.zarr"
+def tagged(variant: str, proposal_temperature: float) -> str:
+    """The name of a variant's results: sampled variants at a proposal temperature t != 1 carry it."""
+    sampled = variant.startswith(("sample", "eqbytes")) and proposal_temperature != 1.0
+    return f"{variant}-t{proposal_temperature:g}" if sampled else variant
+
+
+def sampled_store(work: pathlib.Path, n: int, proposal_temperature: float) -> pathlib.Path:
+    return work / f"{tagged(f'cache_sample{n}', proposal_temperature)}.zarr"
 
 
 def store_bytes_per_token(store: pathlib.Path) -> float:
@@ -169,7 +175,7 @@ def _rss_bytes() -> int:
 
 
 def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None,
-                alpha: float | None) -> dict:
+                alpha: float | None, proposal_temperature: float = 1.0) -> dict:
     """Trains and evaluates one student (called in a child process); returns its row."""
     import torch
 
@@ -200,10 +206,11 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         elif variant == "ce":
             step_func = topk_forward_step(1)  # the KD term is weighted 0; one cached entry keeps the pass cheap
         elif variant.startswith("sample"):
-            store, tail, step_func = sampled_store(work, int(variant.removeprefix("sample"))), "sampled", None
+            n = int(variant.removeprefix("sample"))
+            store, tail, step_func = sampled_store(work, n, proposal_temperature), "sampled", None
         else:
-            k, tail = variant.removeprefix("top").split("-") if variant.startswith("top") else (sizes[variant]["k"],
-                                                                                                 "ghost")
+            k, tail = (variant.removeprefix("top").split("-") if variant.startswith("top")
+                       else (sizes[tagged(variant, proposal_temperature)]["k"], "ghost"))
             step_func = topk_forward_step(int(k))
         overrides = student_overrides(cfg, store, vocab, work / "bench" / variant,
                                       alpha=0.0 if variant == "ce" else cfg.kd_alpha)
@@ -219,21 +226,29 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
         metrics = evaluate({variant: models[0]}, teacher, heldout, micro_batch_size=cfg.micro_batch_size,
                            desc=f"eval {variant}")
-    size = sizes.get(variant, {"bytes_per_token": 0.0})
-    name = f"{variant} (top{size['k']}-ghost)" if variant.startswith("eqbytes") else variant
+    name = tagged(variant, proposal_temperature)
+    size = sizes.get(name, {"bytes_per_token": 0.0})
+    name += f" (top{size['k']}-ghost)" if variant.startswith("eqbytes") else ""
     return dict(variant=name, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
                 bytes_per_token=size["bytes_per_token"],
                 student_steps=cfg.student_steps, train_seconds=seconds,
                 peak_mib=peak / 2**20, threads=torch.get_num_threads())
 
 
-def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, overwrite: bool) -> None:
-    """Stages 1-3 of the demo into ``work`` (or links a finished demo folder's data, teacher and cache)."""
+def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, overwrite: bool, *,
+                 vocab_size: int | None = None, teacher_steps: int | None = None) -> None:
+    """Stages 1-3 of the demo into ``work`` (or links a finished demo folder's data, teacher and cache); the
+    tokenizer's vocabulary size and the teacher's steps may override the preset's."""
     from megatron_kd_plugin.demo import pipeline
     from megatron_kd_plugin.demo.data import build_corpus
     from megatron_kd_plugin.demo.train import single_process_megatron
 
     if (work / "cache.zarr").exists() and not overwrite:
+        built = json.loads((work / "config.json").read_text())
+        for name, wanted, have in (("--vocab-size", vocab_size, built["corpus"]["vocab_size"]),
+                                   ("--teacher-steps", teacher_steps, built["teacher_steps"])):
+            if wanted is not None and wanted != have:
+                raise ValueError(f"{name} {wanted}: {work} was built with {have}; pass --overwrite or another --output")
         print(f"[bench] reusing data, teacher and cache in {work}", flush=True)
         return
     pipeline.prepare_output(work, overwrite)
@@ -244,6 +259,10 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
             (work / name).symlink_to((reuse / name).resolve())
         return
     cfg = pipeline.PRESETS[preset]
+    if vocab_size is not None:
+        cfg = dataclasses.replace(cfg, corpus=dataclasses.replace(cfg.corpus, vocab_size=vocab_size))
+    if teacher_steps is not None:
+        cfg = dataclasses.replace(cfg, teacher_steps=teacher_steps)
     (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
     corpus = build_corpus(work / "data", cfg.corpus)
     with single_process_megatron(cfg.seed):
@@ -251,7 +270,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     pipeline.cache_teacher(cfg, corpus, work / "teacher", work / "cache.zarr")
 
 
-def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str]) -> None:
+def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str], proposal_temperature: float) -> None:
     """The sampled stores the chosen variants read (``sampleN``, ``eqbytesN``), by the cache tool at TP=2."""
     from megatron_kd_plugin.demo import pipeline
     from megatron_kd_plugin.demo.data import DemoCorpus
@@ -260,28 +279,31 @@ def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str])
     corpus = DemoCorpus.load(work / "data")
     for n in sorted({int(v.removeprefix("sample").removeprefix("eqbytes")) for v in variants
                      if v.startswith(("sample", "eqbytes"))}):
-        if not (sampled_store(work, n) / "zarr.json").exists():
-            pipeline.cache_teacher(cfg, corpus, work / "teacher", sampled_store(work, n), sample=n)
+        store = sampled_store(work, n, proposal_temperature)
+        if not (store / "zarr.json").exists():
+            pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=n,
+                                   proposal_temperature=proposal_temperature)
 
 
-def measure_bytes(work: pathlib.Path, variants: list[str]) -> dict:
-    """{variant: {"bytes_per_token", "k"}} of the cache each cached variant reads, into ``bench/bytes.json``."""
+def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature: float) -> dict:
+    """{tagged variant: {"bytes_per_token", "k"}} of the cache each cached variant reads, into ``bench/bytes.json``."""
     path = work / "bench" / "bytes.json"
     sizes = json.loads(path.read_text()) if path.exists() else {}
     store, scratch = work / "cache.zarr", work / "bench" / "truncated.zarr"
     for variant in variants:
-        if variant in sizes or variant in ("ce", "dense"):
+        name = tagged(variant, proposal_temperature)
+        if name in sizes or variant in ("ce", "dense"):
             continue
         if variant.startswith("top"):
             k = int(variant.removeprefix("top").split("-")[0])
-            sizes[variant] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
+            sizes[name] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
-            sizes[variant] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n)))
+            sizes[name] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n, proposal_temperature)))
         else:
-            budget = store_bytes_per_token(sampled_store(work, int(variant.removeprefix("eqbytes"))))
-            k, size = equal_bytes_k(store, budget, scratch)
-            sizes[variant] = dict(k=k, bytes_per_token=size)
+            n = int(variant.removeprefix("eqbytes"))
+            k, size = equal_bytes_k(store, store_bytes_per_token(sampled_store(work, n, proposal_temperature)), scratch)
+            sizes[name] = dict(k=k, bytes_per_token=size)
         path.write_text(json.dumps(sizes, indent=1) + "\n")
     return sizes
 
@@ -349,27 +371,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=pathlib.Path, help="a finished demo folder of the same preset")
     parser.add_argument("--overwrite", action="store_true", help="redo stages 1-3 and every variant")
     parser.add_argument("--student-steps", type=int, help="override the preset's student steps (<= its cache)")
+    parser.add_argument("--vocab-size", type=int, help="override the preset's tokenizer vocabulary (a new --output)")
+    parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps (a new --output)")
     parser.add_argument("--alpha", type=float, help="override the preset's kd_alpha for every KD student (dense too)")
+    parser.add_argument("--proposal-temperature", type=float, default=1.0,
+                        help="proposal temperature t of the sampled stores (results of t != 1 are named -tT)")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = args.output
     if args.child:
-        row = run_variant(args.child, work, args.preset, args.student_steps, args.alpha)
-        (work / "bench" / f"{args.child}.json").write_text(json.dumps(row, indent=1) + "\n")
+        row = run_variant(args.child, work, args.preset, args.student_steps, args.alpha, args.proposal_temperature)
+        (work / "bench" / f"{tagged(args.child, args.proposal_temperature)}.json").write_text(
+            json.dumps(row, indent=1) + "\n")
         return 0
-    prepare_work(work, args.preset, args.reuse, args.overwrite)
+    prepare_work(work, args.preset, args.reuse, args.overwrite, vocab_size=args.vocab_size,
+                 teacher_steps=args.teacher_steps)
     (work / "bench").mkdir(exist_ok=True)
-    prepare_sampled_stores(work, args.preset, args.variants)
-    measure_bytes(work, args.variants)
+    prepare_sampled_stores(work, args.preset, args.variants, args.proposal_temperature)
+    measure_bytes(work, args.variants, args.proposal_temperature)
     rows = []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for variant in args.variants:
-        result = work / "bench" / f"{variant}.json"
+        result = work / "bench" / f"{tagged(variant, args.proposal_temperature)}.json"
         if args.overwrite or not result.exists():
             print(f"[bench] {variant}", flush=True)
             extra = [] if args.student_steps is None else ["--student-steps", str(args.student_steps)]
             extra += [] if args.alpha is None else ["--alpha", str(args.alpha)]
+            extra += ["--proposal-temperature", str(args.proposal_temperature)]
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
                             "--child", variant, *extra], check=True, env=env, cwd=REPO_ROOT)
         rows.append(json.loads(result.read_text()))

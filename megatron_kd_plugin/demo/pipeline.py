@@ -113,7 +113,7 @@ PRESETS = {
         seq_length=128,
         teacher=ModelSize(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512),
         student=ModelSize(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256),
-        teacher_steps=1200, student_steps=100, micro_batch_size=8, eval_samples=32),
+        teacher_steps=1200, student_steps=100, micro_batch_size=8, eval_samples=256),
     # seconds, for tests: same stages, toy sizes
     "mini": DemoConfig(
         corpus=CorpusConfig(vocab_size=512, train_bytes=150_000, heldout_bytes=30_000),
@@ -156,10 +156,12 @@ def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
 
 
 def cache_teacher(cfg: DemoConfig, corpus: DemoCorpus, teacher: pathlib.Path, store: pathlib.Path, *,
-                  sample: int | None = None) -> None:
+                  sample: int | None = None, proposal_temperature: float = 1.0) -> None:
     """Runs the cache tool under torchrun at TP = ``cfg.cache_tp`` on the first ``cfg.cache_samples`` samples:
-    the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn from it per token (a sampled store)."""
-    mode = ["--topk", str(cfg.topk)] if sample is None else ["--sample", str(sample)]
+    the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn per token from the teacher at
+    ``proposal_temperature`` (a sampled store)."""
+    mode = (["--topk", str(cfg.topk)] if sample is None
+            else ["--sample", str(sample), "--proposal-temperature", str(proposal_temperature)])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
                str(CACHE_TOOL), "--teacher", str(teacher), "--data", str(corpus.train_prefix),
                "--tokenizer", str(corpus.tokenizer_path), "--output", str(store),
