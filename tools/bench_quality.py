@@ -111,7 +111,7 @@ def tagged(variant: str, proposal_temperature: float) -> str:
 
 
 def sampled_store(work: pathlib.Path, n: int, proposal_temperature: float) -> pathlib.Path:
-    return work / f"{tagged(f'cache_sample{n}', proposal_temperature)}.zarr"
+    return work / f"cache_{tagged(f'sample{n}', proposal_temperature)}.zarr"
 
 
 def store_bytes_per_token(store: pathlib.Path) -> float:
