@@ -20,7 +20,8 @@ mass they cover.
 
 ``--overhead`` saves a randomly initialised GPT teacher (``--overhead-teacher``) and an indexed dataset of random
 tokens, runs ``tools/cache_teacher_logits.py`` on them under torchrun at each ``--tp`` and prints the tool's own
-report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes).
+report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes); with
+``--sampled`` also for a sampled store at each N in ``--draws`` (sampling instead of top-K).
 
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
@@ -274,16 +275,19 @@ def overhead_runs(args) -> None:
         builder.add_document(tokens.astype(np.int32), [len(tokens)])
         builder.finalize(str(work / "data.idx"))
         print(f"teacher {spec}")
+        modes = [["--topk", str(args.k)]] + ([["--sample", str(n)] for n in args.draws] if args.sampled else [])
         for tp in args.tp:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
-                       str(pathlib.Path(__file__).parent / "cache_teacher_logits.py"), "--teacher",
-                       str(work / "teacher"), "--data", str(work / "data"), "--output", str(work / f"tp{tp}.zarr"),
-                       "--seq-length", str(args.seq_length), "--topk", str(args.k), "--tp", str(tp),
-                       "--micro-batch-size", str(args.micro_batch_size), "--no-progress"]
-            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
-            result = subprocess.run(command, env=env, capture_output=True, text=True)
-            lines = [line for line in result.stdout.splitlines() if line.startswith("[cache]")]
-            print(f"TP={tp}: " + (" | ".join(lines) if result.returncode == 0 else result.stderr[-2000:]))
+            for mode in modes:
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+                           str(pathlib.Path(__file__).parent / "cache_teacher_logits.py"), "--teacher",
+                           str(work / "teacher"), "--data", str(work / "data"),
+                           "--output", str(work / f"tp{tp}{''.join(mode)}.zarr"), "--seq-length", str(args.seq_length),
+                           *mode, "--tp", str(tp), "--micro-batch-size", str(args.micro_batch_size), "--no-progress"]
+                env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
+                result = subprocess.run(command, env=env, capture_output=True, text=True)
+                lines = [line for line in result.stdout.splitlines() if line.startswith("[cache]")]
+                print(f"TP={tp} {' '.join(mode)}: " + (" | ".join(lines) if result.returncode == 0
+                                                       else result.stderr[-2000:]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -5,7 +5,8 @@ vocab V at the cache temperature, t the proposal temperature)::
 
     log q_v   = l_v / t − G,       G = logsumexp_u(l_u / t) = LSE(y) − LSE(z) / t,     y = z / t
     draws     i_1..i_N iid from q (with replacement), by inverse CDF: i_n = min{v : C_v > u_n · C_V},
-              C_v = Σ_{u <= v} exp(y_u − M) (float64), M = max_v y_v, u_n uniform in [0, 1)
+              C_v = Σ_{u <= v} exp(y_u − M) (terms in float32, summed in float64), M = max_v y_v,
+              u_n uniform in [0, 1)
     weights   w_n = (1/N) · p_{i_n} / q_{i_n} = (1/N) · exp(l_{i_n} · (1 − 1/t) + G)
 
 so that P̂_v = Σ_n [i_n = v] w_n has E[P̂_v] = p_v (at t = 1 every w_n = 1/N: P̂ is the empirical count / N).
@@ -86,15 +87,16 @@ def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, tempe
     """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
 
     ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
-    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1. The float64
-    work buffers (~3 × 8 bytes per logit) are bounded by ``block_bytes``: blocks of positions are done in turn
-    (every rank has the same [s, b], so the collectives stay matched), with the same result.
+    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1. The work
+    buffers (~13 bytes per logit: the tempered logits, exponentiated in place, in float32 and their float64 CDF)
+    are bounded by ``block_bytes``: blocks of positions are done in turn (every rank has the same [s, b], so the
+    collectives stay matched), with the same result.
     """
     if temperature <= 0 or proposal_temperature <= 0:
         raise ValueError(f"temperature={temperature} and proposal_temperature={proposal_temperature} must be > 0")
     if uniforms.shape[:-1] != logits.shape[:-1]:
         raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
-    rows = max(1, block_bytes // (24 * logits[0].numel()))                     # positions per block
+    rows = max(1, block_bytes // (13 * logits[0].numel()))                     # positions per block
     if logits.shape[0] > rows:
         blocks = [_sample_block(logits[i:i + rows], uniforms[i:i + rows], temperature, proposal_temperature,
                                 tp_group) for i in range(0, logits.shape[0], rows)]
@@ -107,15 +109,15 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     """:func:`vocab_parallel_sample` on one block of positions."""
     tp = group_size(tp_group)
     vocab_local = logits.shape[-1]
-    z = logits.double() / temperature                                            # [s, b, V/tp]
-    lse_z = combine_logsumexp(torch.logsumexp(z, dim=-1), tp_group)              # [s, b]
-    y = z / proposal_temperature
+    z = logits.float() / temperature                                             # [s, b, V/tp] float32, a copy
+    lse_z = combine_logsumexp(torch.logsumexp(z, dim=-1), tp_group).double()     # [s, b]
+    y = z.div_(proposal_temperature) if proposal_temperature != 1.0 else z       # in place: z is not read again
     top = y.amax(dim=-1)                                                         # [s, b]
     if tp > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
     top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype))
     weights = y.sub_(top.unsqueeze(-1)).exp_()                                  # [s, b, V/tp] exp(y − M), in place
-    cdf = weights.cumsum(dim=-1)                                                 # [s, b, V/tp] float64
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)                            # [s, b, V/tp]
     mass = cdf[..., -1:].contiguous()                                            # [s, b, 1] T_r
     if tp > 1:
         masses = [torch.empty_like(mass) for _ in range(tp)]
@@ -132,13 +134,13 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     local = torch.minimum(local, last_index(weights > 0))                        # rounding past the shard's end
     mine = owner == rank
     ids = torch.where(mine, local + rank * vocab_local, 0)                       # [s, b, N] int64
-    logprobs = torch.where(mine, z.gather(-1, local) - lse_z.unsqueeze(-1), 0.0)
+    logprobs = torch.where(mine, logits.gather(-1, local).double() / temperature - lse_z.unsqueeze(-1), 0.0)
     if tp > 1:
         dist.all_reduce(ids, group=tp_group)
         dist.all_reduce(logprobs, group=tp_group)
     ids, order = ids.sort(dim=-1)
     logprobs = logprobs.gather(-1, order)
-    lognorm = top + torch.log(ends[..., -1]) - lse_z / proposal_temperature      # G = LSE(y) − LSE(z)/t
+    lognorm = top.double() + torch.log(ends[..., -1]) - lse_z / proposal_temperature   # G = LSE(y) − LSE(z)/t
     if proposal_temperature == 1.0:
         lognorm = torch.zeros_like(lognorm)
     finite = torch.isfinite(lse_z) & torch.isfinite(lognorm) & torch.isfinite(logprobs).all(dim=-1)
