@@ -21,8 +21,9 @@ differing only in their loss:
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
 Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with the
-bytes per token of the cache it reads, its training wall time and peak memory (resident set above the child's
-baseline before training, big allocations forced through mmap so freed memory leaves RSS). One table (markdown,
+bytes per token of the cache it reads, its training wall time and peak memory (the child's peak resident set
+during set-up and training, above its resident set before them: the kernel's high-water mark is reset there; big
+allocations forced through mmap so freed memory leaves RSS). One table (markdown,
 also in ``results.md``) and one PNG.
 """
 
@@ -33,7 +34,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -168,10 +168,19 @@ def equal_bytes_k(store: pathlib.Path, budget: float, scratch: pathlib.Path) -> 
     return low, sizes[low]
 
 
-def _rss_bytes() -> int:
+def _reset_peak_rss() -> int:
+    """Resets this process's peak resident set (Linux ``VmHWM``, via ``/proc/self/clear_refs``); returns the
+    current resident set in bytes, the baseline the peak is measured above."""
     import psutil
 
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
     return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    """Peak resident set in bytes since the last :func:`_reset_peak_rss`."""
+    status = pathlib.Path("/proc/self/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
 def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None,
@@ -196,7 +205,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     corpus = DemoCorpus.load(work / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     with single_process_megatron(cfg.seed):
-        baseline = _rss_bytes()
+        baseline = _reset_peak_rss()
         teacher = None
         store, tail = work / "cache.zarr", None
         if variant == "dense":
@@ -220,7 +229,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         start = time.perf_counter()
         models, history = train_on_cpu(config, *([] if step_func is None else [step_func]))
         seconds = time.perf_counter() - start
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        peak = _peak_rss() - baseline
         if teacher is None:
             teacher, _ = load_gpt(work / "teacher", tp_size=1)
         heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
@@ -272,6 +281,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
 
 def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str], proposal_temperature: float) -> None:
     """The sampled stores the chosen variants read (``sampleN``, ``eqbytesN``), by the cache tool at TP=2."""
+    from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.demo import pipeline
     from megatron_kd_plugin.demo.data import DemoCorpus
 
@@ -280,7 +290,9 @@ def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str],
     for n in sorted({int(v.removeprefix("sample").removeprefix("eqbytes")) for v in variants
                      if v.startswith(("sample", "eqbytes"))}):
         store = sampled_store(work, n, proposal_temperature)
-        if not (store / "zarr.json").exists():
+        try:
+            TopKCacheReader(store)                     # complete: nothing to do
+        except ValueError:                             # absent, or unfinished: the tool (re)writes or resumes it
             pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=n,
                                    proposal_temperature=proposal_temperature)
 
