@@ -2,6 +2,8 @@
 
 Commands:
   demo      the end-to-end job on an embedded default: train a teacher, cache its top-K, distil a student
+  cache     run a teacher once over token data and write its top-K (or sampled) cache store (under torchrun)
+  train     distil a student from a cache store with a KD recipe (Bridge's pretrain() on GPU, a CPU loop without)
   inspect   print (and optionally plot) what a teacher top-K cache store holds
 """
 
@@ -12,6 +14,8 @@ import sys
 
 COMMANDS = {
     "demo": "megatron_kd_plugin.demo.pipeline",
+    "cache": "megatron_kd_plugin.cache.cli",
+    "train": "megatron_kd_plugin.bridge.train_cli",
     "inspect": "megatron_kd_plugin.cache.inspect",
 }
 

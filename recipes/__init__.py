@@ -1,6 +1,6 @@
 """KD recipes: zero-argument functions returning a Megatron-Bridge ConfigContainer (a ``KDConfigContainer``).
 
-    python tools/train_kd.py --recipe tiny_gpt_kd_cpu_fp32_config dataset.cache_path=cache.zarr train.train_iters=8
+    python -m megatron_kd_plugin train --recipe tiny_gpt_kd_cpu_fp32_config dataset.cache_path=cache.zarr train.train_iters=8
 """
 
 from recipes.qwen3 import qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config, qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config

@@ -16,7 +16,7 @@ from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
 from recipes import RECIPES
-from tools.train_kd import build_config
+from megatron_kd_plugin.bridge.train_cli import build_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RECIPE_NAME = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*_kd_(\w+_)?(\d+gpu_h200_bf16|cpu_fp32)_config$")
@@ -100,7 +100,7 @@ def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after
 
 
 def test_launcher_lists_recipes_and_refuses_bad_input_with_a_message(capsys):
-    from tools.train_kd import main
+    from megatron_kd_plugin.bridge.train_cli import main
 
     assert main(["--list"]) == 0
     assert set(capsys.readouterr().out.split()) == set(RECIPES)

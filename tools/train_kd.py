@@ -1,94 +1,13 @@
-"""Launch a KD recipe: ``--recipe NAME`` plus Hydra-style overrides, under torchrun.
+"""Launch a KD recipe under torchrun; see megatron_kd_plugin/bridge/train_cli.py.
 
-    torchrun --nproc_per_node=8 tools/train_kd.py --recipe qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config \\
-        dataset.cache_path=/data/qwen3_8b_top64_32k.zarr train.train_iters=100
-    torchrun --nproc_per_node=2 tools/train_kd.py --recipe tiny_gpt_kd_cpu_fp32_config \\
-        dataset.cache_path=outputs/caches/tiny_teacher.zarr model.tensor_model_parallel_size=2
-
-With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step; without CUDA the same config runs
-under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``). ``--config-file`` merges a YAML of
-overrides first (it may name the plugin's classes as ``_target_``). An override naming an unknown field, an
-unknown recipe or a bad cache stops the run before step one with the reason.
+    torchrun --nproc_per_node 8 tools/train_kd.py --recipe NAME dataset.cache_path=cache.zarr train.train_iters=100
 """
-
-from __future__ import annotations
-
-import argparse
-import os
+import pathlib
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)   # the top-level recipes package
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", help="recipe function name (--list shows them)")
-    parser.add_argument("--config-file", help="YAML of overrides merged before the command-line ones")
-    parser.add_argument("--list", action="store_true", help="print the recipe names and exit")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. train.train_iters=100")
-    return parser.parse_args(argv)
-
-
-def build_config(recipe: str, overrides: list[str], config_file: str | None = None):
-    """The recipe's config with the YAML file and the overrides applied (ValueError/OverridesError on bad input)."""
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
-
-    from megatron_kd_plugin.bridge import register
-    from recipes import RECIPES
-
-    register()
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}")
-    return process_config_with_overrides(RECIPES[recipe](), config_filepath=config_file, cli_overrides=overrides)
-
-
-def print_history(history: list[dict]) -> None:
-    keys = list(history[0])
-    print(" | ".join(f"{k:>12}" for k in keys))
-    for row in history:
-        print(" | ".join(f"{row[k]:>12.6g}" if isinstance(row[k], float) else f"{row[k]:>12}" for k in keys))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.list:
-        from recipes import RECIPES
-
-        print("\n".join(sorted(RECIPES)))
-        return 0
-    if not args.recipe:
-        print("train_kd.py: --recipe NAME is required (--list shows them)", file=sys.stderr)
-        return 2
-    import torch
-    from megatron.bridge.training.utils.omegaconf_utils import OverridesError
-
-    from megatron_kd_plugin.bridge.config import check_kd_config
-    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
-
-    try:
-        cfg = build_config(args.recipe, args.overrides, args.config_file)
-        check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
-    except (ValueError, OverridesError) as error:
-        print(f"train_kd.py: error: {error}", file=sys.stderr)
-        return 2
-
-    if torch.cuda.is_available():
-        from megatron.bridge.training.pretrain import pretrain   # imports nvidia-resiliency-ext: GPU machines only
-
-        pretrain(cfg, kd_forward_step)
-        return 0
-    import torch.distributed as dist
-
-    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-
-    _, history = train_on_cpu(cfg, kd_forward_step)
-    if dist.get_rank() == 0:
-        print_history(history)
-    dist.destroy_process_group()
-    return 0
-
+from megatron_kd_plugin.bridge.train_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@ megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward
 3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
 gradients over data parallelism, clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
 ``torch.optim.AdamW`` under Bridge's learning-rate scheduler. It is not a second trainer: no checkpoints,
-evaluation, mixed precision or pipeline parallelism; on a GPU, ``tools/train_kd.py`` runs Bridge's ``pretrain()``.
+evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
 
@@ -88,7 +88,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     present: use Bridge's ``pretrain()`` there).
     """
     if not cuda_absent():
-        raise ValueError("CUDA is available: train with Megatron-Bridge's pretrain() (tools/train_kd.py does)")
+        raise ValueError("CUDA is available: train with Megatron-Bridge's pretrain() (python -m megatron_kd_plugin train does)")
     if cfg.model.pipeline_model_parallel_size != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={cfg.model.pipeline_model_parallel_size}: the CPU "
                          "loop runs no pipeline schedule; use 1")

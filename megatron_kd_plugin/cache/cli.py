@@ -31,7 +31,7 @@ from megatron_kd_plugin.cache import format as fmt
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cache_teacher_logits.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="megatron_kd_plugin cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="teacher checkpoint folder (save_gpt) or --teacher-loader path")
     p.add_argument("--teacher-loader", default=None,

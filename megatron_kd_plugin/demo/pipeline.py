@@ -193,7 +193,7 @@ def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir
     """One student through the recipe + CPU loop (this process, TP=1); returns (model, history)."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))   # the top-level ``recipes`` package lives beside this package
-    from tools.train_kd import build_config  # noqa: E402  (recipe + overrides, exactly as the launcher does)
+    from megatron_kd_plugin.bridge.train_cli import build_config  # noqa: E402  (recipe + overrides, exactly as the launcher does)
 
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
 

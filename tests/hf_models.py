@@ -1,0 +1,67 @@
+"""Tiny Hugging Face checkpoints made by ``transformers`` inside the tests (random init + ``save_pretrained``):
+nothing is downloaded. ``tests/conftest.py`` builds each once per test session.
+
+    folder = save_tiny_causal_lm(tmp / "qwen3", "qwen3", vocab_size=1000)
+    folder = save_tiny_causal_lm(tmp / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2)
+
+Each folder holds ``config.json``, ``model.safetensors`` and a word-level tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``) whose ``tokenizer_vocab_size`` ids lie inside the model's vocabulary, as a real
+checkpoint's do.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+ARCHITECTURES = {
+    # name: (config class, model class) in transformers
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False)
+"""The shape every tiny checkpoint shares unless overridden (2 layers, hidden 64, 4 heads in 2 KV groups)."""
+
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                norm_topk_prob=True, output_router_logits=False, mlp_only_layers=[])
+"""The MoE extras of ``qwen3_moe``: 4 experts, top-2."""
+
+
+def save_word_tokenizer(folder: pathlib.Path, vocab_size: int) -> None:
+    """A word-level tokenizer of ``vocab_size`` ids (``<|endoftext|>`` = 0, ``<unk>`` = 1, then "w2".."wN")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(folder)
+
+
+def save_tiny_causal_lm(folder, architecture: str = "qwen3", *, vocab_size: int = 1000,
+                        tokenizer_vocab_size: int | None = None, seed: int = 0, **overrides) -> pathlib.Path:
+    """Save a random-init tiny ``architecture`` causal LM (fp32) and its tokenizer to ``folder``; returns it."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHITECTURES[architecture])
+    fields = {**TINY, **(TINY_MOE if architecture == "qwen3_moe" else {}), **overrides}
+    config = config_cls(vocab_size=vocab_size, torch_dtype="float32", **fields)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    folder = pathlib.Path(folder)
+    model.save_pretrained(folder)
+    save_word_tokenizer(folder, tokenizer_vocab_size or vocab_size)
+    return folder
+
+
+@torch.no_grad()
+def hf_logits(folder, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward of the checkpoint at ``folder``: float64 logits ``[b, s, V]`` of ``tokens [b, s]``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    return model(input_ids=tokens).logits
