@@ -49,7 +49,7 @@ def save_tiny_causal_lm(folder, architecture: str = "qwen3", *, vocab_size: int 
 
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHITECTURES[architecture])
     fields = {**TINY, **(TINY_MOE if architecture == "qwen3_moe" else {}), **overrides}
-    config = config_cls(vocab_size=vocab_size, torch_dtype="float32", **fields)
+    config = config_cls(vocab_size=vocab_size, dtype="float32", **fields)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     folder = pathlib.Path(folder)
@@ -63,5 +63,7 @@ def hf_logits(folder, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' own forward of the checkpoint at ``folder``: float64 logits ``[b, s, V]`` of ``tokens [b, s]``."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    # the eager experts loop: transformers' default grouped_mm has no float64 kernel
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                              experts_implementation="eager").eval()
     return model(input_ids=tokens).logits

@@ -98,7 +98,7 @@ def _auto_bridge(folder, dtype: torch.dtype):
         raise ValueError(f"{folder}: architecture {name} is not one Megatron-Bridge {megatron.bridge.__version__} "
                          f"converts (it converts {len(AutoBridge.list_supported_models())} architectures: "
                          "AutoBridge.list_supported_models())")
-    return AutoBridge.from_hf_pretrained(str(folder), torch_dtype=dtype)
+    return AutoBridge.from_hf_pretrained(str(folder), dtype=dtype)
 
 
 def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,

@@ -1,13 +1,23 @@
-"""The cache tool: run a teacher over token data once and write its top-K store (``tools/cache_teacher_logits.py``).
+"""The cache tool: run a teacher over token data once and write its top-K store.
 
-    torchrun --nproc_per_node 2 tools/cache_teacher_logits.py --teacher TEACHER_DIR --data DATA_PREFIX \\
-        --output cache.zarr --seq-length 512 --topk 100 --tp 2 --micro-batch-size 4
+    torchrun --nproc_per_node 8 -m megatron_kd_plugin cache --teacher Qwen3-8B/ --data DATA_PREFIX \\
+        --output cache.zarr --seq-length 4096 --topk 100 --tp 8 --micro-batch-size 4
 
-World = TP x DP (pipeline parallelism is not supported: ``--pp`` must be 1). The teacher is a ``save_gpt``
-folder (megatron-core GPTModel), or whatever ``--teacher-loader module:function`` returns: a callable
-``load(path, tp_size) -> model`` whose ``model(tokens, position_ids, attention_mask)`` gives ``[b, s, V/tp]``
-logits (the hook for Megatron-Bridge/HF teachers on GPU) together with the vocab size via ``--vocab-size``.
-Rerunning the same command resumes a killed run; ``--overwrite`` replaces a store written with other settings.
+(``tools/cache_teacher_logits.py`` is the same command.) ``--teacher`` is a Hugging Face checkpoint folder
+(config.json + safetensors, as ``save_pretrained`` writes it) of any architecture Megatron-Bridge converts, loaded
+through ``AutoBridge`` (``megatron_kd_plugin.bridge.hf``); or a ``save_gpt`` folder (megatron-core GPTModel); or
+whatever ``--teacher-loader module:function`` returns: a callable ``load(path, tp_size) -> model`` whose
+``model(tokens, position_ids, attention_mask)`` gives ``[b, s, V/tp]`` logits, with the vocab size via
+``--vocab-size``. A HF teacher's tokenizer is the checkpoint folder's unless ``--tokenizer`` is given; the store
+records the checkpoint's identity (architecture, name, hash of config and weight headers) and its true vocabulary
+(the rows Megatron pads the output layer with are masked out).
+
+Parallelism (HF teachers): ``--tp``, ``--pp`` (forward only; the last stage takes the top-K and writes),
+``--ep`` (MoE teachers; experts split over data-parallel ranks as megatron-core's ``initialize_model_parallel``
+does, expert TP = TP) and data parallelism over the rest: world = TP x PP x DP, EP dividing DP. ``save_gpt`` and
+loader teachers take ``--tp`` and DP. A MoE teacher runs as in inference (no token dropping, no aux losses, no
+MTP). Every setting is checked before the teacher is built. Rerunning the same command resumes a killed run;
+``--overwrite`` replaces a store written with other settings.
 
 ``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
@@ -29,17 +39,21 @@ import torch.distributed as dist
 
 from megatron_kd_plugin.cache import format as fmt
 
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron_kd_plugin cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--teacher", required=True, help="teacher checkpoint folder (save_gpt) or --teacher-loader path")
+    p.add_argument("--teacher", required=True,
+                   help="teacher: a Hugging Face checkpoint folder, a save_gpt folder, or the --teacher-loader path")
     p.add_argument("--teacher-loader", default=None,
                    help="module:function(path, tp_size) -> model, instead of megatron_kd_plugin.gpt.load_gpt")
     p.add_argument("--vocab-size", type=int, default=None, help="teacher vocab size (needed with --teacher-loader)")
     p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx) or a .jsonl file")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or HF name); required for JSONL, recorded "
-                   "as the tokenizer identity and checked against the teacher vocab otherwise")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or HF name/folder; default for a HF teacher: "
+                   "its checkpoint folder); required for JSONL, recorded as the tokenizer identity and checked "
+                   "against the teacher vocab")
     p.add_argument("--text-key", default="text", help="JSONL field holding the text")
     p.add_argument("--output", required=True, help="store path (a directory, e.g. cache.zarr)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
@@ -52,7 +66,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sample-seed", type=int, default=None, help="seed of the draws (default 0; only with --sample)")
     p.add_argument("--temperature", type=float, default=1.0, help="cache temperature")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (only 1 is supported)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (HF teachers)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE HF teachers; must divide DP)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="HF teacher parameter dtype (auto: the checkpoint's on a GPU, float32 without CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
     p.add_argument("--samples-per-shard", type=int, default=16, help="samples per shard (resume unit)")
     p.add_argument("--logprob-codec", default=fmt.DEFAULT_LOGPROB_CODEC, choices=sorted(fmt.LOGPROB_CODECS))
@@ -78,31 +95,60 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def init_distributed(tp: int, pp: int) -> None:
-    """Process group from torchrun's environment (a single process without it), then megatron parallel_state."""
+def check_world(world: int, *, tp: int, pp: int, ep: int) -> None:
+    """ValueError unless ``world`` ranks split as TP x PP x DP with EP dividing DP (megatron-core's rule)."""
+    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if size < 1:
+            raise ValueError(f"{flag}={size}: expected >= 1")
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of --tp x --pp = {tp} x {pp}")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"--ep={ep} does not divide the data-parallel size {world // (tp * pp)} "
+                         f"(world {world} / (--tp {tp} x --pp {pp})): experts are split over data-parallel ranks")
+
+
+def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
+    """Process group from torchrun's environment (a single process without it), unless one exists; then megatron's
+    parallel_state with these sizes. True when this call created the process group."""
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
 
-    if pp != 1:
-        raise ValueError(f"--pp={pp}: pipeline parallelism is not supported by the cache tool; use --tp and DP")
-    if "RANK" not in os.environ:             # a plain single process, not under torchrun
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    apply_cpu_workarounds()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    if dist.get_world_size() % tp:
-        raise ValueError(f"--tp={tp} does not divide the world size {dist.get_world_size()}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    created = not dist.is_initialized()
+    if created:
+        if "RANK" not in os.environ:             # a plain single process, not under torchrun
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+        apply_cpu_workarounds()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    check_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    return created
+
+
+def teacher_kind(args) -> str:
+    """"hf", "save_gpt" or "loader" (``--teacher-loader``); ValueError for a folder that is none of them."""
+    from megatron_kd_plugin.gpt import SPEC_FILE
+
+    if args.teacher_loader:
+        return "loader"
+    folder = pathlib.Path(args.teacher)
+    if (folder / SPEC_FILE).is_file():
+        return "save_gpt"
+    if (folder / "config.json").is_file():     # bridge.hf.is_hf_checkpoint, without importing Megatron-Bridge
+        return "hf"
+    raise ValueError(f"--teacher {args.teacher}: neither a Hugging Face checkpoint folder (config.json + "
+                     f"safetensors) nor a save_gpt folder ({SPEC_FILE}); or pass --teacher-loader")
 
 
 def load_teacher(args):
-    """(model, vocab_size, identity) of the teacher."""
+    """(model, vocab_size, identity) of a save_gpt or ``--teacher-loader`` teacher (megatron initialised)."""
     from megatron_kd_plugin.gpt import checkpoint_identity, load_gpt
 
     identity = checkpoint_identity(args.teacher) if pathlib.Path(args.teacher).is_dir() else args.teacher
@@ -118,41 +164,100 @@ def load_teacher(args):
     return model, spec.vocab_size, identity
 
 
+def hf_teacher(args):
+    """(provider, vocab_size, identity, tokenizer) of a HF teacher, every check done, nothing built yet."""
+    from megatron_kd_plugin.bridge.hf import hf_identity, hf_model_provider, read_hf_config
+
+    config = read_hf_config(args.teacher)
+    dtype = DTYPES[args.dtype]
+    if dtype is None:
+        dtype = torch.float32 if not torch.cuda.is_available() else \
+            DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
+    provider = hf_model_provider(args.teacher, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                 expert_parallel=args.ep, dtype=dtype, inference=True)
+    longest = config.get("max_position_embeddings")
+    if longest and args.seq_length > longest:
+        raise ValueError(f"--seq-length={args.seq_length} exceeds the teacher's max_position_embeddings={longest}")
+    tokenizer = args.tokenizer
+    if tokenizer is None and any((pathlib.Path(args.teacher) / name).is_file()
+                                 for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = args.teacher
+    return provider, provider.vocab_size, hf_identity(args.teacher), tokenizer
+
+
 def run(args) -> None:
+    """The whole tool on this rank: checks, teacher, store. Creates (and destroys) the process group unless one
+    exists; initialises (and destroys) megatron's parallel_state."""
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cache.sources import open_source
-    from megatron_kd_plugin.cache.writer import write_cache
-    from megatron_kd_plugin.gpt import gpt_logits
+    from megatron_kd_plugin.cache.teacher_forward import TeacherForward
+    from megatron_kd_plugin.cache.writer import check_vocab, write_cache
 
-    init_distributed(args.tp, args.pp)
-    model, vocab_size, identity = load_teacher(args)
-    model.eval()
-    source = open_source(args.data, args.seq_length, tokenizer=args.tokenizer, num_samples=args.num_samples,
+    kind = teacher_kind(args)
+    if kind != "hf" and args.pp != 1:
+        raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
+                         "Face checkpoint folder takes --pp)")
+    if kind != "hf" and args.ep != 1:
+        raise ValueError(f"--ep={args.ep}: expert parallelism needs a MoE Hugging Face teacher")
+    tokenizer = args.tokenizer
+    if kind == "hf":
+        provider, vocab_size, identity, tokenizer = hf_teacher(args)
+    check_world(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")),
+                tp=args.tp, pp=args.pp, ep=args.ep)
+    source = open_source(args.data, args.seq_length, tokenizer=tokenizer, num_samples=args.num_samples,
                          text_key=args.text_key)
-    stats = write_cache(
-        source, lambda tokens: gpt_logits(model, tokens), args.output, k=args.slots, vocab_size=vocab_size,
-        teacher=identity, temperature=args.temperature, logprob_codec=args.logprob_codec,
-        samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
-        micro_batch_size=args.micro_batch_size, mode=args.mode,
-        proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-        sample_seed=args.sample_seed or 0, overwrite=args.overwrite,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        dp_rank=parallel_state.get_data_parallel_rank(), dp_size=parallel_state.get_data_parallel_world_size(),
-        progress=not args.no_progress)
-    if dist.get_rank() == 0:
-        stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
-        tokens = len(source) * source.seq_length
-        slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.slots}"
-        print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
-              f"{stored / tokens:.1f} bytes/token on disk", flush=True)
-        if stats.tokens:
-            print(f"[cache] rank 0 computed {stats.tokens} tokens in {stats.total_seconds:.2f} s "
-                  f"({stats.tokens / stats.total_seconds:.0f} tokens/s); teacher forward {stats.forward_seconds:.2f}"
-                  f" s; overhead (total / plain forward) {stats.overhead:.3f}x", flush=True)
+    if kind == "hf":
+        check_vocab(source, vocab_size)
+    created = init_distributed(args.tp, args.pp, args.ep)
+    try:
+        if kind == "hf":
+            from megatron_kd_plugin.bridge.hf import build_model
+
+            chunks = build_model(provider)
         else:
-            print(f"[cache] nothing to do: all {stats.shards_skipped} shards of rank 0 were already written",
-                  flush=True)
+            model, vocab_size, identity = load_teacher(args)
+            chunks = [model]
+        for chunk in chunks:
+            chunk.eval()
+        teacher = TeacherForward(chunks, vocab_size=vocab_size,
+                                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                 pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                                 lockstep=args.ep > 1, micro_batch_size=args.micro_batch_size,
+                                 seq_length=args.seq_length)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        stats = write_cache(
+            source, teacher, args.output, k=args.slots, vocab_size=vocab_size,
+            teacher=identity, temperature=args.temperature, logprob_codec=args.logprob_codec,
+            samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
+            micro_batch_size=args.micro_batch_size, mode=args.mode,
+            proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
+            sample_seed=args.sample_seed or 0, overwrite=args.overwrite,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
+            progress=not args.no_progress, after_shards=teacher.finish)
+        if teacher.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+            report(args, source, stats)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def report(args, source, stats) -> None:
+    """The run's summary lines (printed by the first writer of the last pipeline stage)."""
+    stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
+    tokens = len(source) * source.seq_length
+    slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.slots}"
+    print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
+          f"{stored / tokens:.1f} bytes/token on disk", flush=True)
+    if stats.tokens:
+        print(f"[cache] rank {dist.get_rank()} computed {stats.tokens} tokens in {stats.total_seconds:.2f} s "
+              f"({stats.tokens / stats.total_seconds:.0f} tokens/s); teacher forward {stats.forward_seconds:.2f}"
+              f" s; overhead (total / plain forward) {stats.overhead:.3f}x", flush=True)
+    else:
+        print(f"[cache] nothing to do: all {stats.shards_skipped} shards of rank {dist.get_rank()} were already "
+              "written", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +267,4 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0

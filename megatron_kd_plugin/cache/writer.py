@@ -140,6 +140,9 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         with torch.no_grad():
             logits = logits_fn(batch)                                            # [s, b, V/tp]
         stats.forward_seconds += time.perf_counter() - begin
+        if logits is None:          # a pipeline stage before the last: it holds no logits and writes nothing
+            stats.tokens += batch.numel()
+            continue
         rows, finite = teacher_rows(logits, spec, first_sample=first_sample + start, tp_group=tp_group)
         if not bool(finite.all()):
             position, row = (~finite).nonzero()[0].tolist()
@@ -148,6 +151,8 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         for name in names:
             out[name].append(rows[name].transpose(0, 1).cpu())                   # [b, s, ...]
         stats.tokens += batch.numel()
+    if not out[fmt.IDS]:
+        return {}
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
               fmt.PROPOSAL_LOGNORM: np.float32}
     return {fmt.TOKENS: windows.astype(np.int32)} | {name: torch.cat(values).numpy().astype(dtypes[name])
@@ -196,13 +201,15 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
                 overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
-                progress: bool = True) -> WriteStats:
+                progress: bool = True, after_shards: Callable[[], None] | None = None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
-    TP). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and
+    TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
+    nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
+    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and
     position), on data that do not fit the vocabulary, and on a store with other settings at ``output``.
     """
     if micro_batch_size < 1:
@@ -234,7 +241,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
         begin, end = spec.shard_range(shard)
         arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
                                micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
-        if writes:
+        if writes and arrays:
             write_shard(group, spec, shard, arrays)
         stats.shards_written += 1
         bar.update((end - begin) * spec.seq_length)
@@ -243,6 +250,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
             group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
+    if after_shards is not None:
+        after_shards()
     _barrier()
     _on_rank0(finish, output, spec)
     _barrier()

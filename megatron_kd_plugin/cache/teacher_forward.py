@@ -1,0 +1,129 @@
+"""A megatron-core GPT teacher as the cache writer's ``LogitsFn``, on any TP × PP × EP × DP layout, forward only.
+
+``TeacherForward(chunks, vocab_size=V, ...)(tokens [b, s])`` gives this rank's logits ``[s, b, V_pad/tp]`` (on
+the last pipeline stage; None on the others). Beyond a plain forward it does what real teachers need:
+
+- Pipeline parallelism: the batch runs as b pipeline micro-batches of one sample. A stage receives each
+  micro-batch's hidden states ``[s, 1, h]`` from the previous stage (megatron-core's ``P2PCommunicator``),
+  runs its layers and sends them on; the last stage collects the logits. Stage i works on micro-batch j while
+  stage i+1 works on j−1, so the pipeline fills once per batch (bubble (pp−1)/(b+pp−1)). megatron-core's
+  schedules are not used: they allocate on "cuda" and drive backward passes.
+- The padded vocabulary: Megatron pads the output layer to a multiple of ``make_vocab_size_divisible_by`` × TP;
+  logits of ids >= ``vocab_size`` (the teacher's true size) are set to −inf on the TP shard that holds them, so
+  they never enter a top-K, a draw or the logsumexp.
+- Expert parallelism in lock step: a MoE layer exchanges tokens between its EP ranks at every forward (the
+  allgather dispatcher even needs equal shapes), while those ranks cache different data and may own a
+  different number of batches. With ``lockstep`` every batch is padded to ``micro_batch_size`` samples (the pad
+  rows' outputs are dropped), and before each forward all ranks all-reduce (MAX) whether any of them still has
+  a batch: a rank that has none (in :meth:`finish`) runs a dummy forward alongside, until none has.
+
+Shapes: tokens int64 ``[b, s]``; logits ``[s, b, V_pad/tp]`` (megatron's ``[s, b]`` order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Sets logits of ids >= ``vocab_size`` to −inf in place; ``logits [..., V_p]`` is TP rank ``tp_rank``'s shard
+    (global ids ``[tp_rank·V_p, (tp_rank+1)·V_p)``). Returns ``logits``."""
+    vocab_local = logits.shape[-1]
+    first_padded = vocab_size - tp_rank * vocab_local       # local index of the first padded id
+    if first_padded < vocab_local:
+        logits[..., max(first_padded, 0):] = float("-inf")
+    return logits
+
+
+def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids ``[b, s]`` = 0..s−1, causal mask ``[1, 1, s, s]`` True above the diagonal) of tokens ``[b, s]``."""
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1).view(1, 1, s, s)
+    return position_ids, causal_mask
+
+
+class TeacherForward:
+    """This rank's part of a teacher forward (see the module docstring); call it like a ``LogitsFn``.
+
+    ``chunks``: the rank's model chunks (one; virtual pipeline stages are not supported), in eval mode.
+    ``vocab_size``: the teacher's true vocabulary. ``tp_rank``: this rank's tensor-parallel rank.
+    ``pp_group``: the pipeline group (None or size 1: no pipeline). ``lockstep``: pad batches to
+    ``micro_batch_size`` samples of ``seq_length`` tokens and let :meth:`finish` even out the number of forwards
+    (needed with EP > 1).
+    """
+
+    def __init__(self, chunks, *, vocab_size: int, tp_rank: int = 0, pp_group=None, lockstep: bool = False,
+                 micro_batch_size: int = 1, seq_length: int | None = None):
+        if lockstep and seq_length is None:
+            raise ValueError("lockstep needs the seq_length of the dummy forwards")
+        if len(chunks) != 1:
+            raise ValueError(f"{len(chunks)} model chunks: virtual pipeline stages are not supported")
+        self.model = chunks[0]
+        self.vocab_size, self.tp_rank = vocab_size, tp_rank
+        self.lockstep, self.micro_batch_size, self.seq_length = lockstep, micro_batch_size, seq_length
+        self.pipeline = None
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self.pipeline = P2PCommunicator(pp_group=pp_group, config=self.model.config)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_pp_last_stage
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[s, b, V_pad/tp]`` of tokens ``[b, s]`` on the last stage, None on the others."""
+        b = tokens.shape[0]
+        if self.lockstep:
+            self._anyone_busy(True)
+            if b < self.micro_batch_size:
+                tokens = torch.cat([tokens, tokens.new_zeros(self.micro_batch_size - b, tokens.shape[1])])
+        return self._forward(tokens, b)
+
+    @torch.no_grad()
+    def _forward(self, tokens: torch.Tensor, b: int) -> torch.Tensor | None:
+        """The logits of the first ``b`` samples of ``tokens`` (last stage; None on the others)."""
+        device = next(self.model.parameters()).device
+        logits = self._pipeline_forward(tokens.to(device)) if self.pipeline else self._stage(tokens.to(device))
+        if logits is None:
+            return None
+        return mask_padded_vocab(logits[:, :b], self.vocab_size, self.tp_rank)
+
+    def _stage(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's output for tokens ``[b, s]``: hidden states ``[s, b, h]``, or logits ``[s, b, V_pad/tp]``
+        on the last stage; ``hidden`` is the previous stage's output (None on the first stage)."""
+        if hidden is not None:
+            self.model.set_input_tensor(hidden)
+        output = self.model(tokens, *causal_inputs(tokens))
+        return output.transpose(0, 1) if self.is_last_stage else output          # GPTModel gives [b, s, V/tp]
+
+    def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Every sample of ``tokens [b, s]`` through the pipeline as its own micro-batch (see the module docstring)."""
+        pipeline, config = self.pipeline, self.model.config
+        shape = (tokens.shape[1], 1, config.hidden_size)                              # [s, 1, h]
+        outputs = []
+        for sample in tokens.split(1):
+            hidden = None if pipeline.is_pp_first_stage else pipeline.recv_forward(shape, is_first_stage=False)
+            output = self._stage(sample, hidden)
+            if self.is_last_stage:
+                outputs.append(output)
+            else:
+                pipeline.send_forward(output.contiguous(), is_last_stage=False)
+        return torch.cat(outputs, dim=1) if self.is_last_stage else None
+
+    def _anyone_busy(self, busy: bool) -> bool:
+        """All-reduce (MAX over the world) of "this rank has a batch to run"."""
+        flag = torch.tensor([int(busy)], dtype=torch.int64, device=next(self.model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def finish(self) -> None:
+        """With ``lockstep``: dummy forwards while any other rank still runs batches (every rank calls this after
+        its last batch, before any other collective). Without: nothing."""
+        if not self.lockstep:
+            return
+        dummy = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.int64)
+        while self._anyone_busy(False):
+            self._forward(dummy, 0)
