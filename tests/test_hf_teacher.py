@@ -5,7 +5,7 @@ One spawn of two gloo ranks does all the megatron work (each spawn costs seconds
   EP=2, through the tool's ``TeacherForward``, against ``transformers``' forward;
 - the tool (``cache.cli.run``, the command's body) writing a store per layout: dense TP=1 (DP=2), TP=2, PP=2;
   MoE TP=1 (DP=2) and EP=2 (DP=2, uneven shards, so one EP rank runs dummy forwards); a teacher with a
-  vocabulary of 131,075 (> 2^17, the limit of Megatron-LM's packed ids) at TP=2;
+  vocabulary of 140,001 (> 2^17, the limit of Megatron-LM's packed ids) at TP=2;
 - the tool's refusals of bad input, each one line, before any model is built.
 The parent compares every store with the float64 top-K of ``transformers`` and with the TP=1 store.
 """
@@ -23,7 +23,7 @@ from tests.distributed import run_on_ranks
 from tests.hf_models import hf_logits, save_tiny_causal_lm, save_word_tokenizer
 
 S, K, NUM_SAMPLES = 16, 8, 9
-BIG_VOCAB = 131_075
+BIG_VOCAB = 140_001            # > 2^17 = 131,072; odd, so TP=2 pads one row
 COMMON = ["--seq-length", str(S), "--topk", str(K), "--num-samples", str(NUM_SAMPLES), "--samples-per-shard", "2",
           "--micro-batch-size", "2", "--logprob-codec", "fp32", "--no-progress"]
 LAYOUTS = {          # store name: (teacher, data, extra flags); world = 2 ranks
@@ -114,7 +114,7 @@ def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
     teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), big=str(big), no_weights=str(no_weights),
                     gptj=str(gptj), big_tokenizer=str(work / "big_tokenizer" / "tokenizer.json"))
     data = dict(small=_jsonl(work / "small.jsonl", 2, 1000, 0),
-                big=_jsonl(work / "big.jsonl", BIG_VOCAB - 4000, BIG_VOCAB, 1))   # ids mostly above 2^17
+                big=_jsonl(work / "big.jsonl", 1 << 17, BIG_VOCAB, 1))   # ids above 2^17
     tokens = torch.randint(0, 1000, (2, S), generator=torch.Generator().manual_seed(0))
     results = run_on_ranks(2, _all_on_two_ranks, teachers, data, str(work), tokens, tp=1, timeout=600)
     logits = {name: [rank_logits[name] for rank_logits, _ in results] for name in ("dense", "moe")}
@@ -153,7 +153,7 @@ def test_stores_at_every_layout_hold_transformers_topk_and_the_true_vocab(stores
         assert int(tokens.max()) >= 1 << 17                     # ids above Megatron-LM's 17-bit packing
     assert clear.float().mean() > 0.9
     for name, reader in readers.items():
-        assert reader.spec.vocab_size == vocab, name            # the true vocab, not the padded 1008 / 131,076
+        assert reader.spec.vocab_size == vocab, name            # the true vocab, not the padded 1008 / 140,002
         arch = "Qwen3MoeForCausalLM" if teacher == "moe" else "Qwen3ForCausalLM"
         assert reader.spec.teacher.startswith(f"{arch}:") and reader.spec.tokenizer == teachers[teacher]
         for i in range(NUM_SAMPLES):
