@@ -3,7 +3,8 @@
 One spawn of two gloo ranks does all the megatron work (each spawn costs seconds of imports):
 - full logits of a dense Qwen3 at TP=2 (vocabulary padded 1000 -> 1008, the pad masked) and of a Qwen3-MoE at
   EP=2, through the tool's ``TeacherForward``, against ``transformers``' forward;
-- the tool (``cache.cli.run``, the command's body) writing a store per layout: dense TP=1 (DP=2), TP=2, PP=2;
+- the tool (``cache.cli.run``, the command's body) writing a store per layout: dense TP=1 (DP=2), TP=2, PP=2,
+  PP=2 over 3 layers (uneven stages);
   MoE TP=1 (DP=2) and EP=2 (DP=2, uneven shards, so one EP rank runs dummy forwards); a teacher with a
   vocabulary of 140,001 (> 2^17, the limit of Megatron-LM's packed ids) at TP=2;
 - the tool's refusals of bad input, each one line, before any model is built.
@@ -30,6 +31,7 @@ LAYOUTS = {          # store name: (teacher, data, extra flags); world = 2 ranks
     "dense_tp1": ("dense", "small", []),
     "dense_tp2": ("dense", "small", ["--tp", "2"]),
     "dense_pp2": ("dense", "small", ["--pp", "2"]),
+    "dense3_pp2": ("dense3", "small", ["--pp", "2"]),         # 3 layers: uneven stages of 2 + 1
     "moe_tp1": ("moe", "small", []),
     "moe_ep2": ("moe", "small", ["--ep", "2"]),
     "big_tp2": ("big", "big", ["--tp", "2"]),
@@ -101,6 +103,7 @@ def _all_on_two_ranks(teachers: dict, data: dict, work: str, tokens: torch.Tenso
 @pytest.fixture(scope="module")
 def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
     work = tmp_path_factory.mktemp("hf_teacher")
+    dense3 = save_tiny_causal_lm(work / "dense3", "qwen3", num_hidden_layers=3, seed=2)
     big = save_tiny_causal_lm(work / "big", "qwen3", vocab_size=BIG_VOCAB, hidden_size=32, intermediate_size=64)
     no_weights = work / "no_weights"
     no_weights.mkdir()
@@ -111,7 +114,7 @@ def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
                                                   "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 100}))
     (gptj / "model.safetensors").write_bytes(b"")
     save_word_tokenizer(work / "big_tokenizer", 1200)
-    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), big=str(big), no_weights=str(no_weights),
+    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), dense3=str(dense3), big=str(big), no_weights=str(no_weights),
                     gptj=str(gptj), big_tokenizer=str(work / "big_tokenizer" / "tokenizer.json"))
     data = dict(small=_jsonl(work / "small.jsonl", 2, 1000, 0),
                 big=_jsonl(work / "big.jsonl", 1 << 17, BIG_VOCAB, 1))   # ids above 2^17
@@ -139,7 +142,8 @@ def _reference_topk(folder, tokens: torch.Tensor):
 
 
 @pytest.mark.parametrize("teacher,names", [("dense", ["dense_tp1", "dense_tp2", "dense_pp2"]),
-                                           ("moe", ["moe_tp1", "moe_ep2"]), ("big", ["big_tp2"])])
+                                           ("dense3", ["dense3_pp2"]), ("moe", ["moe_tp1", "moe_ep2"]),
+                                           ("big", ["big_tp2"])])
 def test_stores_at_every_layout_hold_transformers_topk_and_the_true_vocab(stores, teacher, names):
     from megatron_kd_plugin.cache import TopKCacheReader
 

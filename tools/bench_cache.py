@@ -21,7 +21,9 @@ mass they cover.
 ``--overhead`` saves a randomly initialised GPT teacher (``--overhead-teacher``) and an indexed dataset of random
 tokens, runs ``tools/cache_teacher_logits.py`` on them under torchrun at each ``--tp`` and prints the tool's own
 report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, compression, writes); with
-``--sampled`` also for a sampled store at each N in ``--draws`` (sampling instead of top-K).
+``--sampled`` also for a sampled store at each N in ``--draws`` (sampling instead of top-K). ``--overhead-hf
+qwen3|qwen3_moe`` does the same with a randomly initialised Hugging Face checkpoint of that shape (made and saved
+by ``transformers``, loaded by the tool through Megatron-Bridge), at each ``--tp`` times each ``--ep``.
 
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
@@ -247,6 +249,27 @@ OVERHEAD_SPECS = {   # teacher shapes for --overhead: GPT-2-small-like, and a na
 }
 
 
+OVERHEAD_HF_SPECS = {   # HF teachers for --overhead-hf: a 12 x 768 Qwen3 (as 12x768 above) and its 8-expert MoE
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=3072)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, mlp_only_layers=[])),
+}
+
+
+def save_hf_teacher(name: str, folder: pathlib.Path, seq_length: int) -> str:
+    """A random-init HF checkpoint of ``OVERHEAD_HF_SPECS[name]`` saved by transformers; returns its description."""
+    import transformers
+
+    config_name, model_name, extra = OVERHEAD_HF_SPECS[name]
+    config = getattr(transformers, config_name)(
+        vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+        head_dim=64, max_position_embeddings=max(seq_length, 512), tie_word_embeddings=False, dtype="float32",
+        **extra)
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).save_pretrained(folder)
+    return f"{model_name} 12 x 768, V=32,768 {extra}"
+
+
 def overhead_runs(args) -> None:
     """Random teacher + random indexed dataset, then the cache tool under torchrun at each TP size."""
     import os
@@ -261,33 +284,38 @@ def overhead_runs(args) -> None:
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_overhead_"))
     try:
-        spec = GPTSpec(**OVERHEAD_SPECS[args.overhead_teacher], seq_length=args.seq_length)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29582", RANK="0", WORLD_SIZE="1")
-        apply_cpu_workarounds()
-        dist.init_process_group("gloo")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        seed_model_parallel(0)
-        save_gpt(build_gpt(spec, tp_size=1), spec, work / "teacher")
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if args.overhead_hf:
+            print(f"teacher {save_hf_teacher(args.overhead_hf, work / 'teacher', args.seq_length)}")
+        else:
+            spec = GPTSpec(**OVERHEAD_SPECS[args.overhead_teacher], seq_length=args.seq_length)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29582", RANK="0", WORLD_SIZE="1")
+            apply_cpu_workarounds()
+            dist.init_process_group("gloo")
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            seed_model_parallel(0)
+            save_gpt(build_gpt(spec, tp_size=1), spec, work / "teacher")
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            print(f"teacher {spec}")
         builder = IndexedDatasetBuilder(str(work / "data.bin"), dtype=np.int32)
-        tokens = np.random.default_rng(0).integers(0, spec.vocab_size, args.samples * args.seq_length + 1)
+        tokens = np.random.default_rng(0).integers(0, 32768, args.samples * args.seq_length + 1)
         builder.add_document(tokens.astype(np.int32), [len(tokens)])
         builder.finalize(str(work / "data.idx"))
-        print(f"teacher {spec}")
         modes = [["--topk", str(args.k)]] + ([["--sample", str(n)] for n in args.draws] if args.sampled else [])
-        for tp in args.tp:
+        for tp, ep in [(tp, ep) for tp in args.tp for ep in (args.ep if args.overhead_hf else [1])]:
             for mode in modes:
-                command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+                world = tp * ep
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                            str(pathlib.Path(__file__).parent / "cache_teacher_logits.py"), "--teacher",
                            str(work / "teacher"), "--data", str(work / "data"),
-                           "--output", str(work / f"tp{tp}{''.join(mode)}.zarr"), "--seq-length", str(args.seq_length),
-                           *mode, "--tp", str(tp), "--micro-batch-size", str(args.micro_batch_size), "--no-progress"]
-                env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
+                           "--output", str(work / f"tp{tp}ep{ep}{''.join(mode)}.zarr"),
+                           "--seq-length", str(args.seq_length), *mode, "--tp", str(tp), "--micro-batch-size",
+                           str(args.micro_batch_size), "--no-progress"] + (["--ep", str(ep)] if ep > 1 else [])
+                env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
                 result = subprocess.run(command, env=env, capture_output=True, text=True)
                 lines = [line for line in result.stdout.splitlines() if line.startswith("[cache]")]
-                print(f"TP={tp} {' '.join(mode)}: " + (" | ".join(lines) if result.returncode == 0
-                                                       else result.stderr[-2000:]))
+                print(f"TP={tp}{f' EP={ep}' if ep > 1 else ''} {' '.join(mode)}: " + (
+                    " | ".join(lines) if result.returncode == 0 else result.stderr[-2000:]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -308,8 +336,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for --overhead")
     parser.add_argument("--overhead-teacher", default="12x768", choices=sorted(OVERHEAD_SPECS),
                         help="teacher shape for --overhead")
+    parser.add_argument("--overhead-hf", default=None, choices=sorted(OVERHEAD_HF_SPECS),
+                        help="--overhead with a Hugging Face teacher of this architecture instead")
+    parser.add_argument("--ep", type=int, nargs="+", default=[1], help="EP sizes for --overhead-hf qwen3_moe")
     args = parser.parse_args()
-    if args.overhead:
+    if args.overhead or args.overhead_hf:
         overhead_runs(args)
         return
     torch.set_grad_enabled(False)

@@ -2,6 +2,9 @@
 
     torchrun --nproc_per_node 2 tools/cache_teacher_logits.py --teacher TEACHER --data PREFIX \
         --output cache.zarr --seq-length 512 --topk 100 --tp 2
+
+The same command as ``python -m megatron_kd_plugin cache`` (TEACHER: a Hugging Face checkpoint folder or a
+save_gpt folder; ``--tp``/``--pp``/``--ep``).
 """
 import pathlib
 import sys

@@ -78,14 +78,23 @@ def check_parallel_sizes(config: dict, *, tensor_parallel: int, pipeline_paralle
     layers = config.get("num_hidden_layers")
     if layers and pipeline_parallel > layers:
         raise ValueError(f"pipeline_parallel={pipeline_parallel} exceeds the model's {layers} layers")
-    if layers and layers % pipeline_parallel:
-        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide the model's {layers} layers")
     experts = next((config[key] for key in ("num_experts", "num_local_experts", "n_routed_experts")
                     if config.get(key)), None)
     if expert_parallel > 1 and experts is None:
         raise ValueError(f"expert_parallel={expert_parallel} but the model has no experts (not a MoE model)")
     if experts is not None and experts % expert_parallel:
         raise ValueError(f"expert_parallel={expert_parallel} does not divide the model's {experts} experts")
+
+
+def pipeline_split(layers: int, pipeline_parallel: int) -> tuple[int, int] | None:
+    """(layers of the first stage, of the last stage) when ``pipeline_parallel`` does not divide ``layers``, else
+    None. The middle stages get ``layers // pipeline_parallel`` each (megatron needs them equal); the first and
+    last share the rest, the last (which also holds the output layer and the logits) the smaller half."""
+    if layers % pipeline_parallel == 0:
+        return None
+    middle = layers // pipeline_parallel
+    ends = layers - middle * (pipeline_parallel - 2)
+    return (ends + 1) // 2, ends // 2
 
 
 def _auto_bridge(folder, dtype: torch.dtype):
@@ -108,7 +117,8 @@ def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: in
     ``load_weights``: the checkpoint's weights are loaded when the model is built (else random init).
     ``dtype``: parameter dtype (float32 only without CUDA). ``inference``: dropout off, and for MoE models no
     token dropping (no capacity factor), no load-balancing/z losses, MTP heads not built — a teacher's forward.
-    Expert tensor parallelism is megatron's default (= ``tensor_parallel``). Raises ValueError (one line) for a
+    Expert tensor parallelism is megatron's default (= ``tensor_parallel``). A ``pipeline_parallel`` that does not
+    divide the layers gets megatron's uneven first/last stages (:func:`pipeline_split`). Raises ValueError (one line) for a
     folder without config or weights, an architecture Bridge does not convert, and sizes the model cannot split
     over; nothing heavy is loaded before these checks.
     """
@@ -127,6 +137,9 @@ def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: in
     provider.tensor_model_parallel_size = tensor_parallel
     provider.pipeline_model_parallel_size = pipeline_parallel
     provider.expert_model_parallel_size = expert_parallel
+    split = pipeline_split(provider.num_layers, pipeline_parallel)
+    if split is not None:
+        provider.num_layers_in_first_pipeline_stage, provider.num_layers_in_last_pipeline_stage = split
     provider.should_pad_vocab = True
     provider.params_dtype = provider.pipeline_dtype = dtype
     provider.bf16, provider.fp16 = dtype == torch.bfloat16, dtype == torch.float16

@@ -109,7 +109,7 @@ def check_world(world: int, *, tp: int, pp: int, ep: int) -> None:
 
 def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
     """Process group from torchrun's environment (a single process without it), unless one exists; then megatron's
-    parallel_state with these sizes. True when this call created the process group."""
+    parallel_state with these sizes (:func:`check_world` them first). True when this call created the group."""
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
@@ -126,7 +126,6 @@ def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    check_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     return created
