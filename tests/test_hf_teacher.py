@@ -61,7 +61,7 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
     """Full logits ``[s, b, V_pad/tp]`` of this rank: dense at TP=2, MoE at EP=2 (every rank the same tokens)."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.bridge.hf import build_model, hf_model_provider
+    from megatron_kd_plugin.bridge.hf import build_model, hf_model_provider, padded_vocab_size
     from megatron_kd_plugin.cache.cli import init_distributed
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
 
@@ -74,6 +74,7 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
         forward = TeacherForward(chunks, vocab_size=provider.vocab_size,
                                  tp_rank=parallel_state.get_tensor_model_parallel_rank())
         out[name] = forward(tokens)
+        out[f"{name} padded vocab"] = padded_vocab_size(provider)
         parallel_state.destroy_model_parallel()
     return out
 
@@ -114,20 +115,22 @@ def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
                                                   "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 100}))
     (gptj / "model.safetensors").write_bytes(b"")
     save_word_tokenizer(work / "big_tokenizer", 1200)
-    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), dense3=str(dense3), big=str(big), no_weights=str(no_weights),
-                    gptj=str(gptj), big_tokenizer=str(work / "big_tokenizer" / "tokenizer.json"))
+    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), dense3=str(dense3), big=str(big),
+                    no_weights=str(no_weights), gptj=str(gptj),
+                    big_tokenizer=str(work / "big_tokenizer" / "tokenizer.json"))
     data = dict(small=_jsonl(work / "small.jsonl", 2, 1000, 0),
                 big=_jsonl(work / "big.jsonl", 1 << 17, BIG_VOCAB, 1))   # ids above 2^17
     tokens = torch.randint(0, 1000, (2, S), generator=torch.Generator().manual_seed(0))
     results = run_on_ranks(2, _all_on_two_ranks, teachers, data, str(work), tokens, tp=1, timeout=600)
-    logits = {name: [rank_logits[name] for rank_logits, _ in results] for name in ("dense", "moe")}
+    logits = {name: [rank_logits[name] for rank_logits, _ in results] for name in results[0][0]}
     return work, teachers, tokens, logits, results[0][1]
 
 
 def test_megatron_teacher_logits_equal_transformers_dense_tp2_and_moe_ep2(stores):
     _, teachers, tokens, logits, _ = stores
     dense = torch.cat(logits["dense"], dim=-1)                      # TP=2: the two vocab shards [s, b, 504] each
-    assert dense.shape[-1] == 1008 and bool((dense[..., 1000:] == float("-inf")).all())   # padded rows masked
+    assert dense.shape[-1] == logits["dense padded vocab"][0] == 1008 and logits["moe padded vocab"][0] == 1000
+    assert bool((dense[..., 1000:] == float("-inf")).all())                                # padded rows masked
     for name, got in (("dense", dense[..., :1000]), ("moe", logits["moe"][0]), ("moe", logits["moe"][1])):
         ref = hf_logits(teachers[name], tokens).transpose(0, 1)                       # [s, b, V] float64
         torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=0)

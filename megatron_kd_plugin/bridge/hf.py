@@ -27,11 +27,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def is_hf_checkpoint(folder) -> bool:
-    """True when ``folder`` holds a Hugging Face ``config.json`` (it may still lack weights: see below)."""
-    return (pathlib.Path(folder) / CONFIG_FILE).is_file()
-
-
 def weight_files(folder) -> list[pathlib.Path]:
     """The safetensors files of the checkpoint (sorted); ValueError when there are none."""
     folder = pathlib.Path(folder)
@@ -118,9 +113,9 @@ def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: in
     ``dtype``: parameter dtype (float32 only without CUDA). ``inference``: dropout off, and for MoE models no
     token dropping (no capacity factor), no load-balancing/z losses, MTP heads not built — a teacher's forward.
     Expert tensor parallelism is megatron's default (= ``tensor_parallel``). A ``pipeline_parallel`` that does not
-    divide the layers gets megatron's uneven first/last stages (:func:`pipeline_split`). Raises ValueError (one line) for a
-    folder without config or weights, an architecture Bridge does not convert, and sizes the model cannot split
-    over; nothing heavy is loaded before these checks.
+    divide the layers gets megatron's uneven first/last stages (:func:`pipeline_split`). Raises ValueError (one
+    line) for a folder without config or weights, an architecture Bridge does not convert, and sizes the model
+    cannot split over; nothing heavy is loaded before these checks.
     """
     from megatron_kd_plugin.cpu_compat import cpu_model_settings, cuda_absent
 

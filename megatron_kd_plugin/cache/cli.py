@@ -140,7 +140,7 @@ def teacher_kind(args) -> str:
     folder = pathlib.Path(args.teacher)
     if (folder / SPEC_FILE).is_file():
         return "save_gpt"
-    if (folder / "config.json").is_file():     # bridge.hf.is_hf_checkpoint, without importing Megatron-Bridge
+    if (folder / "config.json").is_file():     # bridge.hf.CONFIG_FILE (that module imports Megatron-Bridge)
         return "hf"
     raise ValueError(f"--teacher {args.teacher}: neither a Hugging Face checkpoint folder (config.json + "
                      f"safetensors) nor a save_gpt folder ({SPEC_FILE}); or pass --teacher-loader")

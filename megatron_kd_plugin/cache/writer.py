@@ -209,8 +209,9 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
     nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
-    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and
-    position), on data that do not fit the vocabulary, and on a store with other settings at ``output``.
+    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
+    :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that
+    do not fit the vocabulary, and on a store with other settings at ``output``.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
