@@ -37,7 +37,7 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> to
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_ids ``[b, s]`` = 0..s−1, causal mask ``[1, 1, s, s]``, True above the diagonal) of ``tokens [b, s]``."""
+    """(position_ids ``[b, s]`` = 0..s−1, causal mask ``[1, 1, s, s]``: True above the diagonal) of tokens."""
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1).view(1, 1, s, s)
