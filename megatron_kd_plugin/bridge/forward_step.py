@@ -61,8 +61,30 @@ def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
     return torch.ones(seq_length, seq_length, dtype=torch.bool).triu(1).view(1, 1, seq_length, seq_length)
 
 
+def run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """What calling ``module`` does before its forward, without the forward: run its forward pre-hooks.
+
+    megatron-core's DDP waits for a parameter's overlapped all-gather (``overlap_param_gather``) only in a forward
+    pre-hook of the module that owns it, and that wait also dispatches the next bucket's gather. A loss that reads
+    ``module.weight`` without calling ``module`` must run them, or it reads a weight still being gathered and the
+    next dispatch trips ``assert self.param_gather_handle is None``. megatron-core's fused expert implementation
+    does the same for its skipped submodules; as there, a hook that would rewrite the input is refused.
+    """
+    for hook_id, hook in module._forward_pre_hooks.items():
+        with_kwargs = hook_id in module._forward_pre_hooks_with_kwargs
+        if (hook(module, (), {}) if with_kwargs else hook(module, ())) is not None:
+            raise RuntimeError(f"a forward pre-hook of {type(module).__name__} rewrites its input; the KD loss "
+                               "reads the weight without calling the module and cannot honour it")
+
+
 def _kd_output_processor(*, hidden_states, output_layer, output_weight, context, **_) -> KDLossResult:
-    """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss."""
+    """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss.
+
+    The weight is ``output_layer``'s (untied, or tied on a last stage without the embedding), whose forward never
+    runs, so its pre-hooks (DDP's gather wait) run here; with tied embeddings on the first stage it is the
+    embedding's, whose module already ran, and ``output_layer`` owns no parameter for its hooks to wait on.
+    """
+    run_forward_pre_hooks(output_layer)
     weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
     return topk_kd_loss(hidden_states, weight, **context)
 
