@@ -24,8 +24,10 @@ from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str) -> KDConfigContainer:
     """A KD run of ``model`` on the teacher cache at ``cache_path``: Adam + cosine, forward KL with a ghost tail.
 
-    The dataset's seq_length is the model's; the tokenizer is a NullTokenizer of the model's vocabulary (the
-    cache holds token ids already). Outputs go to ``outputs/<run_name>/``.
+    The dataset's seq_length is the model's; the tokenizer is a NullTokenizer of the model's vocabulary, sized when
+    the config is validated (after overrides; the cache holds token ids already). NaN/Inf are checked in the loss
+    (Bridge's rerun state machine, on by default) and in the gradients (``ddp.check_for_nan_in_grad``). Checkpoints
+    go to ``outputs/<run_name>/checkpoints``, which is also ``checkpoint.load``: a rerun resumes from the latest.
     """
     run_dir = os.path.join("outputs", run_name)
     return KDConfigContainer(
@@ -37,12 +39,13 @@ def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str)
         scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=50, start_weight_decay=0.01,
                                   end_weight_decay=0.01, weight_decay_incr_style="constant"),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                          overlap_grad_reduce=True, overlap_param_gather=True),
+                                          overlap_grad_reduce=True, overlap_param_gather=True,
+                                          check_for_nan_in_grad=True),
         dataset=TopKCacheDatasetProvider(cache_path=cache_path, seq_length=model.seq_length, num_workers=2),
         logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_dir, "tb_logs")),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
-        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"), save_interval=500,
-                                    ckpt_format="torch_dist"),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=None),   # validate(): the model's
+        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"), load=os.path.join(run_dir, "checkpoints"),
+                                    save_interval=500, ckpt_format="torch_dist"),
         rng=RNGConfig(seed=1234),
         mixed_precision="bf16_mixed",
         kd=KDConfig(),

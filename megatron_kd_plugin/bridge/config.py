@@ -63,11 +63,24 @@ class KDConfig:
 class KDConfigContainer(ConfigContainer):
     """Bridge's ``ConfigContainer`` plus the ``kd`` section read by ``kd_forward_step``."""
 
-    kd: KDConfig = dataclasses.field(default_factory=KDConfig)
-    """Top-K distillation loss options."""
+    kd: KDConfig | None = None
+    """Top-K distillation loss options; required. (None only when a loader dropped the section, which is refused:
+    Bridge's ``ConfigContainer.from_yaml`` keeps only ``ConfigContainer``'s own fields, yet instantiates the
+    ``_target_`` class, so a KD YAML would otherwise come back with default loss options.)"""
+
+    def __post_init__(self) -> None:
+        if self.kd is None:
+            raise ValueError("KDConfigContainer without its kd section: ConfigContainer.from_yaml drops it (lenient "
+                             "mode); load a KD config with KDConfigContainer.from_yaml, or pass kd=KDConfig(...)")
 
     def validate(self) -> None:
-        """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this)."""
+        """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this).
+
+        A NullTokenizer without a vocabulary size (the recipes') takes the model's, whatever ``model.vocab_size``
+        overrides set: Bridge's setup refuses a model vocabulary smaller than the tokenizer's.
+        """
+        if self.tokenizer.tokenizer_type == "NullTokenizer" and self.tokenizer.vocab_size is None:
+            self.tokenizer.vocab_size = self.model.vocab_size
         super().validate()
         check_kd_config(self)
 
