@@ -1,0 +1,198 @@
+"""Hugging Face checkpoints as megatron-core models, through Megatron-Bridge's ``AutoBridge`` — teachers and students.
+
+    provider = hf_model_provider("Qwen3-8B/", tensor_parallel=8)             # checked, finalized
+    initialize_model_parallel(tensor_model_parallel_size=8, ...)              # megatron parallel_state
+    chunks = build_model(provider)                                            # [GPTModel] of this rank's stage
+
+A folder is a checkpoint as ``save_pretrained`` writes it: ``config.json`` plus ``*.safetensors`` (one file or an
+index of shards). Any architecture Bridge converts works (Qwen3, Llama, gpt-oss, Qwen3-MoE, ...). What the folder
+and the requested parallel sizes allow is checked from ``config.json`` before anything is built, with one line
+naming the offending value. Without CUDA the provider gets ``cpu_compat.cpu_model_settings()`` (local layers,
+fusions off, CPU initialisation, allgather MoE dispatcher, no grouped GEMM) and must be float32.
+
+Vocabulary: the provider pads it as Megatron training does (``make_vocab_size_divisible_by`` × TP, the padded
+rows' weights are zeros); ``provider.vocab_size`` stays the checkpoint's true size, :func:`padded_vocab_size` is
+what the output layer holds. Rows at and above the true size are not the model's: callers mask them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import torch
+
+CONFIG_FILE = "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def is_hf_checkpoint(folder) -> bool:
+    """True when ``folder`` holds a Hugging Face ``config.json`` (it may still lack weights: see below)."""
+    return (pathlib.Path(folder) / CONFIG_FILE).is_file()
+
+
+def weight_files(folder) -> list[pathlib.Path]:
+    """The safetensors files of the checkpoint (sorted); ValueError when there are none."""
+    folder = pathlib.Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors weights next to {CONFIG_FILE} (a Hugging Face checkpoint "
+                         "as save_pretrained(..., safe_serialization=True) writes it is needed)")
+    return files
+
+
+def read_hf_config(folder) -> dict:
+    """``config.json`` of the checkpoint at ``folder`` as a dict (text config of a multimodal one merged in)."""
+    path = pathlib.Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder}: no {CONFIG_FILE}; not a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    return {**config.get("text_config", {}), **config}
+
+
+def architecture(config: dict) -> str:
+    """The checkpoint's architecture name (``config.json``'s first ``architectures`` entry)."""
+    names = config.get("architectures") or []
+    if not names:
+        raise ValueError(f"{CONFIG_FILE} names no 'architectures': cannot tell which model it is")
+    return names[0]
+
+
+def check_parallel_sizes(config: dict, *, tensor_parallel: int, pipeline_parallel: int,
+                         expert_parallel: int) -> None:
+    """ValueError (one line) unless the model in ``config`` splits over the requested parallel sizes."""
+    for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                       ("expert_parallel", expert_parallel)):
+        if size < 1:
+            raise ValueError(f"{name}={size}: expected >= 1")
+    heads = config.get("num_attention_heads")
+    groups = config.get("num_key_value_heads") or heads
+    if heads and heads % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {heads} attention heads")
+    if groups and groups % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {groups} key/value heads")
+    layers = config.get("num_hidden_layers")
+    if layers and pipeline_parallel > layers:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} exceeds the model's {layers} layers")
+    if layers and layers % pipeline_parallel:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide the model's {layers} layers")
+    experts = next((config[key] for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if config.get(key)), None)
+    if expert_parallel > 1 and experts is None:
+        raise ValueError(f"expert_parallel={expert_parallel} but the model has no experts (not a MoE model)")
+    if experts is not None and experts % expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel} does not divide the model's {experts} experts")
+
+
+def _auto_bridge(folder, dtype: torch.dtype):
+    """``AutoBridge`` of the folder; an architecture Bridge does not convert gets one line naming it."""
+    import megatron.bridge
+    from megatron.bridge import AutoBridge
+
+    if not AutoBridge.can_handle(str(folder)):
+        name = architecture(read_hf_config(folder))
+        raise ValueError(f"{folder}: architecture {name} is not one Megatron-Bridge {megatron.bridge.__version__} "
+                         f"converts (it converts {len(AutoBridge.list_supported_models())} architectures: "
+                         "AutoBridge.list_supported_models())")
+    return AutoBridge.from_hf_pretrained(str(folder), torch_dtype=dtype)
+
+
+def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                      load_weights: bool = True, dtype: torch.dtype = torch.float32, inference: bool = False):
+    """A finalized ``GPTModelProvider`` of the HF checkpoint at ``folder`` for the given parallel sizes.
+
+    ``load_weights``: the checkpoint's weights are loaded when the model is built (else random init).
+    ``dtype``: parameter dtype (float32 only without CUDA). ``inference``: dropout off, and for MoE models no
+    token dropping (no capacity factor), no load-balancing/z losses, MTP heads not built — a teacher's forward.
+    Expert tensor parallelism is megatron's default (= ``tensor_parallel``). Raises ValueError (one line) for a
+    folder without config or weights, an architecture Bridge does not convert, and sizes the model cannot split
+    over; nothing heavy is loaded before these checks.
+    """
+    from megatron_kd_plugin.cpu_compat import cpu_model_settings, cuda_absent
+
+    folder = pathlib.Path(folder)
+    config = read_hf_config(folder)
+    architecture(config)
+    if load_weights:
+        weight_files(folder)
+    check_parallel_sizes(config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                         expert_parallel=expert_parallel)
+    if dtype != torch.float32 and cuda_absent():
+        raise ValueError(f"dtype={dtype}: without CUDA the model runs in torch.float32")
+    provider = _auto_bridge(folder, dtype).to_megatron_provider(load_weights=load_weights)
+    provider.tensor_model_parallel_size = tensor_parallel
+    provider.pipeline_model_parallel_size = pipeline_parallel
+    provider.expert_model_parallel_size = expert_parallel
+    provider.should_pad_vocab = True
+    provider.params_dtype = provider.pipeline_dtype = dtype
+    provider.bf16, provider.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    if inference:
+        set_inference_mode(provider)
+    for name, value in cpu_model_settings().items():
+        setattr(provider, name, value)
+    provider.finalize()
+    return provider
+
+
+def set_inference_mode(provider) -> None:
+    """A forward as in inference: no dropout; MoE routes every token (no capacity, no aux/z loss); no MTP."""
+    provider.hidden_dropout = provider.attention_dropout = 0.0
+    provider.mtp_num_layers = None
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_expert_capacity_factor = None
+        provider.moe_pad_expert_input_to_capacity = False
+        provider.moe_router_load_balancing_type = "none"
+        provider.moe_aux_loss_coeff = 0.0
+        provider.moe_z_loss_coeff = None
+        provider.moe_input_jitter_eps = None
+
+
+def padded_vocab_size(provider) -> int:
+    """Rows of the output layer (all TP ranks together): the true vocab padded as Megatron pads it."""
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+    if not provider.should_pad_vocab:
+        return provider.vocab_size
+    return calculate_padded_vocab_size(provider.vocab_size, provider.make_vocab_size_divisible_by,
+                                       provider.tensor_model_parallel_size, logging_enabled=False)
+
+
+def build_model(provider) -> list:
+    """This rank's model chunks (``[GPTModel]`` of its pipeline stage; not DDP-wrapped) from ``provider``.
+
+    megatron's ``parallel_state`` must be initialised with the provider's sizes. Seeds megatron's TP RNG tracker
+    (``seed_model_parallel(0)``) if nobody has: the forward forks it even without dropout.
+    """
+    from megatron.core import tensor_parallel
+
+    from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, cuda_absent, seed_model_parallel
+
+    apply_cpu_workarounds()
+    if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        seed_model_parallel(0)
+    return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=cuda_absent())
+
+
+def hf_identity(folder) -> str:
+    """``ARCH:NAME:sha256=…`` of a HF checkpoint: config.json, the weights index and each safetensors file's
+    header, size and first/last MiB of data (cheap for 100+ GB checkpoints, different for different weights)."""
+    folder = pathlib.Path(folder)
+    digest = hashlib.sha256()
+    for path in [folder / CONFIG_FILE, folder / WEIGHTS_INDEX]:
+        if path.is_file():
+            digest.update(path.read_bytes())
+    for path in weight_files(folder):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f"{path.name}:{size}".encode() + f.read(min(header, size)))
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    config = read_hf_config(folder)
+    name = config.get("_name_or_path") or folder.resolve().name
+    return f"{architecture(config)}:{name}:sha256={digest.hexdigest()[:16]}"
