@@ -133,3 +133,10 @@ def megatron_optimizer_on_cpu():
     clip_grads.multi_tensor_scale_tensor_impl = None
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     return _CudaDeviceAsCpu()
+
+
+def dist_checkpointing_on_cpu() -> None:
+    """Let megatron-core's dist_checkpointing save on CPU (a no-op with CUDA present): its torch_dist writer calls
+    ``torch.cuda.synchronize()`` before copying tensors out, which without CUDA has nothing to wait for."""
+    if cuda_absent():
+        torch.cuda.synchronize = lambda device=None: None

@@ -19,6 +19,7 @@ from megatron.bridge.training.config import (
 
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
+from megatron_kd_plugin.bridge.student import resolve_hf_folder, student_provider
 
 
 def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str) -> KDConfigContainer:
@@ -50,3 +51,18 @@ def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str)
         mixed_precision="bf16_mixed",
         kd=KDConfig(),
     )
+
+
+def kd_hf_student_config(hf_path: str, *, cache_path: str, run_name: str, seq_length: int, tensor_parallel: int = 1,
+                         pipeline_parallel: int = 1) -> KDConfigContainer:
+    """``kd_common_config`` of the student at ``hf_path`` (a HF checkpoint folder or hub id): its architecture
+    through AutoBridge, training from its weights (``checkpoint.pretrained_checkpoint``), each checkpoint also
+    exported as a HF folder (``checkpoint.also_save_hf_checkpoint``, templated on the student's own files)."""
+    folder = resolve_hf_folder(hf_path)
+    model = student_provider(folder, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    model.seq_length = seq_length
+    model.cross_entropy_loss_fusion = False   # the KD loss replaces the output layer's cross entropy
+    cfg = kd_common_config(model, cache_path=cache_path, run_name=run_name)
+    cfg.checkpoint.pretrained_checkpoint = cfg.checkpoint.hf_source_path = folder
+    cfg.checkpoint.also_save_hf_checkpoint = True
+    return cfg
