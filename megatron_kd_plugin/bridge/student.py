@@ -33,8 +33,13 @@ def resolve_hf_folder(hf_path: str) -> str:
 def student_provider(hf_path: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1):
     """The student's ``GPTModelProvider`` from its HF checkpoint (Bridge's convention:
     ``AutoBridge.from_hf_pretrained(...).to_megatron_provider(load_weights=False)``, via ``bridge.hf``)."""
-    return hf_model_provider(resolve_hf_folder(hf_path), tensor_parallel=tensor_parallel,
-                             pipeline_parallel=pipeline_parallel, load_weights=False)
+    provider = hf_model_provider(resolve_hf_folder(hf_path), tensor_parallel=tensor_parallel,
+                                 pipeline_parallel=pipeline_parallel, load_weights=False)
+    # the checkpoint's own vocabulary, unpadded: what Bridge's setup decides for a model vocabulary that is set
+    # (setup.py's _validate_and_set_vocab_size), and what the export writes back; padded rows would enter the
+    # student's softmax over the vocabulary as extra logits
+    provider.should_pad_vocab = False
+    return provider
 
 
 def _auto_bridge(folder):
