@@ -136,7 +136,38 @@ def megatron_optimizer_on_cpu():
 
 
 def dist_checkpointing_on_cpu() -> None:
-    """Let megatron-core's dist_checkpointing save on CPU (a no-op with CUDA present): its torch_dist writer calls
-    ``torch.cuda.synchronize()`` before copying tensors out, which without CUDA has nothing to wait for."""
-    if cuda_absent():
-        torch.cuda.synchronize = lambda device=None: None
+    """Let megatron-core's dist_checkpointing save synchronously on CPU (a no-op with CUDA present).
+
+    Its torch_dist writer calls ``torch.cuda.synchronize()`` before copying tensors out (nothing to wait for
+    without CUDA), and collects the write results in a queue of a spawned ``multiprocessing.Manager``, which a
+    daemonic process (a test rank) cannot start and which costs a fresh interpreter per save: a synchronous save
+    writes from threads of this process, so a plain in-process queue serves.
+    """
+    if not cuda_absent():
+        return
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.synchronize = lambda device=None: None
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def hf_export_without_modelopt() -> None:
+    """Let AutoBridge's HF export run on a CPU machine without ModelOpt (a no-op with CUDA present or ModelOpt
+    installed): ``save_hf_weights`` imports ModelOpt only to ask whether the model is quantized, and a model on
+    a machine without ModelOpt cannot be, so a stand-in module answers False. (ModelOpt does not install here; a
+    CUDA machine gets it from the ``[gpu]`` extra.)"""
+    import importlib.util
+    import sys
+    import types
+
+    if not cuda_absent() or "modelopt" in sys.modules or importlib.util.find_spec("modelopt") is not None:
+        return
+    names = ("modelopt", "modelopt.torch", "modelopt.torch.quantization", "modelopt.torch.quantization.utils")
+    modules = {name: types.ModuleType(name) for name in names}
+    for parent, child in zip(names, names[1:]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
+    modules[names[-1]].is_quantized = lambda model: False
+    sys.modules.update(modules)

@@ -4,7 +4,8 @@ Megatron-Bridge's training loop and megatron-core's schedules assume CUDA (``for
 allocates ``total_num_tokens`` on "cuda"), so on a machine without CUDA this loop drives the same pieces: it runs
 megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward_step_calc_loss`` contract: the
 3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
-gradients over data parallelism, clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
+gradients over data parallelism (and, as megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel
+norm gradients over TP), clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
 ``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
 resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
 a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
@@ -65,6 +66,24 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str
         dist.all_reduce(pair, group=dp_group)
         metrics[key] = float(pair[0] / pair[1])
     return metrics
+
+
+def _allreduce_replicated_grads_over_tp(model, config) -> None:
+    """Sum (or average) over TP the gradients of parameters every TP rank holds whole but sees only part of the
+    input for — megatron-core's rule (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``, which
+    needs DDP-wrapped chunks): QK-layernorm weights (each rank normalises its own heads), sequence-parallel norms,
+    and parameters marked ``average_gradients_across_tp_domain``. Without it the TP ranks' copies drift apart."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=group)
+        elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+            dist.all_reduce(param.grad, group=group)
 
 
 def _clip_grad_norm(params, max_norm: float) -> float:
@@ -141,6 +160,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         for param in params:   # what DDP does: average gradients over data-parallel ranks
             dist.all_reduce(param.grad, group=dp_group)
             param.grad /= dp_size
+        _allreduce_replicated_grads_over_tp(models[0], model_config)
         grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()

@@ -57,5 +57,8 @@ def load_hf_weights(models: list, folder) -> None:
 def save_hf(models: list, source_folder, out_folder) -> pathlib.Path:
     """Write the model chunks as a HF checkpoint folder (config, tokenizer files and architecture from
     ``source_folder``, the student's HF checkpoint); collective: every rank calls it, rank 0 writes."""
+    from megatron_kd_plugin.cpu_compat import hf_export_without_modelopt
+
+    hf_export_without_modelopt()
     _auto_bridge(source_folder).save_hf_pretrained(models, str(out_folder), show_progress=False)
     return pathlib.Path(out_folder)
