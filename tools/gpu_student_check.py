@@ -7,7 +7,7 @@ under megatron-core's own schedule (``get_forward_backward_func()`` = ``forward_
 the per-iteration KD loss and the peak GPU memory; exits 1 unless the loss falls.
 
     python tools/gpu_student_check.py              # on the GPU (~1 min)
-    python tools/gpu_student_check.py --dry-run    # the same path on CPU: tiny sizes, fp32 (cpu_compat)
+    python tools/gpu_student_check.py --dry-run    # the same path on CPU: tiny sizes, bf16 too (cpu_compat)
 """
 
 from __future__ import annotations
@@ -89,17 +89,14 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
     from megatron_kd_plugin.loss import KDLossOptions
 
     _, _, layers, hidden, vocab, seq, samples, _, iterations = sizes
-    bf16 = device.type == "cuda"
-    config = model_config(layers, hidden, bf16=bf16)
-    model = gpt(config, vocab, seq).to(device)
-    if bf16:
-        model = Float16Module(config, model)
+    config = model_config(layers, hidden, bf16=True)   # bf16 on the CPU dry run too: the same path
+    model = Float16Module(config, gpt(config, vocab, seq).to(device))
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=True, overlap_param_gather=True,
                                                check_for_nan_in_grad=True)
     with megatron_optimizer_on_cpu():
         ddp = DistributedDataParallel(config, ddp_config, model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, bf16=bf16, clip_grad=1.0,
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, clip_grad=1.0,
                                                            use_distributed_optimizer=True), [ddp])
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -137,7 +134,7 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="run the same path on CPU at tiny sizes (fp32)")
+    parser.add_argument("--dry-run", action="store_true", help="run the same path on CPU at tiny sizes")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_student_check: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
