@@ -45,8 +45,9 @@ def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str)
         dataset=TopKCacheDatasetProvider(cache_path=cache_path, seq_length=model.seq_length, num_workers=2),
         logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_dir, "tb_logs")),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=None),   # validate(): the model's
-        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"), load=os.path.join(run_dir, "checkpoints"),
-                                    save_interval=500, ckpt_format="torch_dist"),
+        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"),
+                                    load=os.path.join(run_dir, "checkpoints"), save_interval=500,
+                                    ckpt_format="torch_dist"),
         rng=RNGConfig(seed=1234),
         mixed_precision="bf16_mixed",
         kd=KDConfig(),

@@ -45,8 +45,9 @@ def _train(overlap_param_gather: bool) -> dict:
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=False)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                                                overlap_param_gather=overlap_param_gather, bucket_size=2000)
     with megatron_optimizer_on_cpu():

@@ -1,9 +1,9 @@
 """The student path: a HF student in, KD on CPU from a cache of a HF teacher, checkpoint/resume, HF student out.
 
-One spawn of two ranks at TP=2 (73 s wall at load 13): the cache is written by two DP writers from transformers' logits of the
-tiny HF teacher; the Qwen3 recipe takes a 1-layer HF student (``hf_path``); its first training loss equals the
-float64 KD loss of the *HF student's own* logits (``checkpoint.pretrained_checkpoint`` loaded); a run stopped at
-``train.exit_interval=2`` and resumed from ``checkpoint.load`` equals the uninterrupted run (losses, parameters);
+One spawn of two ranks at TP=2 (73 s wall at load 13): the cache is written by two DP writers from transformers'
+logits of the tiny HF teacher; the Qwen3 recipe takes a 1-layer HF student (``hf_path``); its first training loss
+equals the float64 KD loss of the *HF student's own* logits (``checkpoint.pretrained_checkpoint`` loaded); a run
+stopped at ``train.exit_interval=2`` and resumed from ``checkpoint.load`` equals the uninterrupted run (losses, parameters);
 the healed student exported by the checkpoint (``iter_*/hf``) gives, under transformers, the Megatron student's
 logits. Plus single-process checks of the config fixes (tokenizer vocabulary, NaN check, YAML kd section, the
 pretrain import) and the bad-input errors.

@@ -46,9 +46,9 @@ def gpt(config, vocab: int, seq: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-                    vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
 
 
 def write_teacher_cache(store: str, sizes, device) -> None:

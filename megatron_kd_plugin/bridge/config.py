@@ -89,7 +89,8 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache whose K is the expected one, whose
+    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
+    whose K is the expected one, whose
     vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
     whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
     context parallelism and virtual pipelines, which the KD step does not handle, are off.
@@ -119,7 +120,9 @@ def check_parallel_sizes_divide_world(model) -> None:
     sizes = {"tensor_model_parallel_size": model.tensor_model_parallel_size,
              "pipeline_model_parallel_size": model.pipeline_model_parallel_size,
              "context_parallel_size": model.context_parallel_size}
-    product = sizes["tensor_model_parallel_size"] * sizes["pipeline_model_parallel_size"] * sizes["context_parallel_size"]
+    product = 1
+    for size in sizes.values():
+        product *= size
     if world % product:
         named = " x ".join(f"model.{name}={value}" for name, value in sizes.items())
         raise ValueError(f"{named} = {product} does not divide the world size {world}")

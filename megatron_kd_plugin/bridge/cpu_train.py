@@ -9,8 +9,8 @@ norm gradients over TP), clips them by their TP-aware global norm (megatron-core
 ``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
 resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
 a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
-it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It is not a second trainer: no evaluation, mixed precision or pipeline parallelism; on
-a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
+it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It is not a second trainer:
+no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
 
