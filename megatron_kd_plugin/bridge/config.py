@@ -90,9 +90,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
     The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
-    whose K is the expected one, whose
-    vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
-    whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
+    whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the
+    student's (= the dataset's), and whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
     context parallelism and virtual pipelines, which the KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
