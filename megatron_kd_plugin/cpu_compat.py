@@ -77,3 +77,97 @@ def seed_model_parallel(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class _CudaDeviceAsCpu(torch.overrides.TorchFunctionMode):
+    """Inside: a literal ``device="cuda"`` allocates on the CPU, ``t.cuda()`` is ``t``, and ``t.type()`` names the
+    CUDA type (``torch.cuda.FloatTensor``): what megatron-core's optimizers assume of their parameters."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """``torch.cuda.current_stream()`` without CUDA: DDP's gradient sync only waits on it for CUDA-graph events."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def megatron_optimizer_on_cpu():
+    """A context in which megatron-core's DDP buffers and optimizers (``get_megatron_optimizer``, the distributed
+    optimizer) can be built and stepped on CPU; a no-op context with CUDA present.
+
+    Work-arounds (besides ``apply_cpu_workarounds``, which it applies): megatron's optimizer factory and gradient
+    clipping pick Transformer Engine's fused Adam and multi-tensor kernels whenever TE imports (CUDA-only): they are
+    pointed at torch's AdamW and megatron-core's own local multi-tensor functions; DDP's gradient sync asks for
+    ``torch.cuda.current_stream()``; the optimizers allocate scalars with a literal ``device="cuda"`` and check
+    ``param.type() == "torch.cuda.FloatTensor"`` (the context maps both, see ``_CudaDeviceAsCpu``).
+    """
+    import contextlib
+
+    if not cuda_absent():
+        return contextlib.nullcontext()
+    apply_cpu_workarounds()
+    import megatron.core.optimizer as optimizer_factory
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizers
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    optimizer_factory.USING_PYTORCH_OPTIMIZER, optimizer_factory.Adam = True, torch.optim.AdamW
+    clip_grads.multi_tensor_applier = optimizers.multi_tensor_applier = local_multi_tensor_applier
+    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = optimizers.multi_tensor_scale_impl = local_multi_tensor_scale
+    clip_grads.multi_tensor_scale_tensor_impl = None
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    return _CudaDeviceAsCpu()
+
+
+def dist_checkpointing_on_cpu() -> None:
+    """Let megatron-core's dist_checkpointing save synchronously on CPU (a no-op with CUDA present).
+
+    Its torch_dist writer calls ``torch.cuda.synchronize()`` before copying tensors out (nothing to wait for
+    without CUDA), and collects the write results in a queue of a spawned ``multiprocessing.Manager``, which a
+    daemonic process (a test rank) cannot start and which costs a fresh interpreter per save: a synchronous save
+    writes from threads of this process, so a plain in-process queue serves.
+    """
+    if not cuda_absent():
+        return
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.synchronize = lambda device=None: None
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def hf_export_without_modelopt() -> None:
+    """Let AutoBridge's HF export run on a CPU machine without ModelOpt (a no-op with CUDA present or ModelOpt
+    installed): ``save_hf_weights`` imports ModelOpt only to ask whether the model is quantized, and a model on
+    a machine without ModelOpt cannot be, so a stand-in module answers False. (ModelOpt does not install here; a
+    CUDA machine gets it from the ``[gpu]`` extra.)"""
+    import importlib.util
+    import sys
+    import types
+
+    if not cuda_absent() or "modelopt" in sys.modules or importlib.util.find_spec("modelopt") is not None:
+        return
+    names = ("modelopt", "modelopt.torch", "modelopt.torch.quantization", "modelopt.torch.quantization.utils")
+    modules = {name: types.ModuleType(name) for name in names}
+    for parent, child in zip(names, names[1:]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
+    modules[names[-1]].is_quantized = lambda model: False
+    sys.modules.update(modules)

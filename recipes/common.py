@@ -19,13 +19,16 @@ from megatron.bridge.training.config import (
 
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
+from megatron_kd_plugin.bridge.student import resolve_hf_folder, student_provider
 
 
 def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str) -> KDConfigContainer:
     """A KD run of ``model`` on the teacher cache at ``cache_path``: Adam + cosine, forward KL with a ghost tail.
 
-    The dataset's seq_length is the model's; the tokenizer is a NullTokenizer of the model's vocabulary (the
-    cache holds token ids already). Outputs go to ``outputs/<run_name>/``.
+    The dataset's seq_length is the model's; the tokenizer is a NullTokenizer of the model's vocabulary, sized when
+    the config is validated (after overrides; the cache holds token ids already). NaN/Inf are checked in the loss
+    (Bridge's rerun state machine, on by default) and in the gradients (``ddp.check_for_nan_in_grad``). Checkpoints
+    go to ``outputs/<run_name>/checkpoints``, which is also ``checkpoint.load``: a rerun resumes from the latest.
     """
     run_dir = os.path.join("outputs", run_name)
     return KDConfigContainer(
@@ -37,13 +40,30 @@ def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str)
         scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=50, start_weight_decay=0.01,
                                   end_weight_decay=0.01, weight_decay_incr_style="constant"),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                          overlap_grad_reduce=True, overlap_param_gather=True),
+                                          overlap_grad_reduce=True, overlap_param_gather=True,
+                                          check_for_nan_in_grad=True),
         dataset=TopKCacheDatasetProvider(cache_path=cache_path, seq_length=model.seq_length, num_workers=2),
         logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_dir, "tb_logs")),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
-        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"), save_interval=500,
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=None),   # validate(): the model's
+        checkpoint=CheckpointConfig(save=os.path.join(run_dir, "checkpoints"),
+                                    load=os.path.join(run_dir, "checkpoints"), save_interval=500,
                                     ckpt_format="torch_dist"),
         rng=RNGConfig(seed=1234),
         mixed_precision="bf16_mixed",
         kd=KDConfig(),
     )
+
+
+def kd_hf_student_config(hf_path: str, *, cache_path: str, run_name: str, seq_length: int, tensor_parallel: int = 1,
+                         pipeline_parallel: int = 1) -> KDConfigContainer:
+    """``kd_common_config`` of the student at ``hf_path`` (a HF checkpoint folder or hub id): its architecture
+    through AutoBridge, training from its weights (``checkpoint.pretrained_checkpoint``), each checkpoint also
+    exported as a HF folder (``checkpoint.also_save_hf_checkpoint``, templated on the student's own files)."""
+    folder = resolve_hf_folder(hf_path)
+    model = student_provider(folder, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    model.seq_length = seq_length
+    model.cross_entropy_loss_fusion = False   # the KD loss replaces the output layer's cross entropy
+    cfg = kd_common_config(model, cache_path=cache_path, run_name=run_name)
+    cfg.checkpoint.pretrained_checkpoint = cfg.checkpoint.hf_source_path = folder
+    cfg.checkpoint.also_save_hf_checkpoint = True
+    return cfg

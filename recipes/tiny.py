@@ -1,7 +1,8 @@
 """A tiny student that trains on CPU in seconds: the CPU development path of the same provider/step/loss.
 
 Its cache comes from a tiny teacher written by ``megatron_kd_plugin.cache`` (``dataset.cache_path=...``); the
-student's vocabulary must hold the teacher's (``model.vocab_size=...``).
+student's vocabulary must hold the teacher's ids (``model.vocab_size=...``). It starts from random weights and
+writes no checkpoints unless asked (``checkpoint.save=DIR checkpoint.load=DIR``: save there, resume from there).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from megatron.bridge.models import GPTModelProvider
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from megatron_kd_plugin.bridge.cpu_train import local_block_spec
+from megatron_kd_plugin.cpu_compat import local_block_spec
 from recipes.common import kd_common_config
 
 
@@ -32,5 +33,6 @@ def tiny_gpt_kd_cpu_fp32_config() -> KDConfigContainer:
     cfg.scheduler.lr_decay_style, cfg.scheduler.lr_warmup_iters = "constant", 0
     cfg.dataset.num_workers, cfg.dataset.pin_memory = 0, False
     cfg.logger.log_interval = 1
+    cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.mixed_precision = None
     return cfg

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import pathlib
 import re
 import subprocess
@@ -22,23 +24,35 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 RECIPE_NAME = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*_kd_(\w+_)?(\d+gpu_h200_bf16|cpu_fp32)_config$")
 
 
-def test_every_recipe_is_a_zero_arg_kd_config_with_a_conventional_name():
+def recipe_config(name, hf_student):
+    """The recipe's config; one taking a HF student (``hf_path``, default: a hub id) gets the local tiny one."""
+    recipe = RECIPES[name]
+    takes_hf = "hf_path" in inspect.signature(recipe).parameters
+    return recipe(hf_path=str(hf_student)) if takes_hf else recipe()
+
+
+def test_every_recipe_is_a_kd_config_with_a_conventional_name(tiny_hf_qwen3):
     assert len(RECIPES) >= 3
-    for name, recipe in RECIPES.items():
+    for name in RECIPES:
         assert RECIPE_NAME.match(name), name
-        cfg = recipe()
+        cfg = recipe_config(name, tiny_hf_qwen3)
         assert isinstance(cfg, KDConfigContainer), name
         assert isinstance(cfg.dataset, TopKCacheDatasetProvider), name
         assert cfg.dataset.seq_length == cfg.model.seq_length, name
         cfg.kd.finalize()
 
 
-def test_real_model_recipes_are_32k_bf16_and_the_multi_gpu_one_uses_tp_pp_dp():
-    one = RECIPES["qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config"]()
-    eight = RECIPES["qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config"]()
+def test_real_model_recipes_are_32k_bf16_hf_students_and_the_multi_gpu_one_uses_tp_pp_dp(tiny_hf_qwen3):
+    one = recipe_config("qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config", tiny_hf_qwen3)
+    eight = recipe_config("qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config", tiny_hf_qwen3)
+    hf_config = json.loads((tiny_hf_qwen3 / "config.json").read_text())
     for cfg in (one, eight):
         assert cfg.model.seq_length == 32768 and cfg.mixed_precision == "bf16_mixed"
-        assert cfg.model.vocab_size == 151936
+        # the architecture is the HF checkpoint's (AutoBridge), and training starts from its weights
+        assert (cfg.model.vocab_size, cfg.model.num_layers, cfg.model.hidden_size) == (
+            hf_config["vocab_size"], hf_config["num_hidden_layers"], hf_config["hidden_size"])
+        assert cfg.checkpoint.pretrained_checkpoint == str(tiny_hf_qwen3) and cfg.checkpoint.also_save_hf_checkpoint
+        assert cfg.checkpoint.load == cfg.checkpoint.save   # auto-resume
     assert (one.model.tensor_model_parallel_size, one.model.pipeline_model_parallel_size) == (1, 1)
     tp, pp = eight.model.tensor_model_parallel_size, eight.model.pipeline_model_parallel_size
     assert tp > 1 and pp > 1 and 8 // (tp * pp) > 1 and eight.model.sequence_parallel

@@ -159,7 +159,7 @@ def forward_step_loss(cfg, model, batch):
         return loss_func(output)
 
 
-def tp1_body(store):
+def tp1_body(store, hf_student):
     """Rank 0 of a TP=1 world: write the cache, train the reference and the ablations, check the step by hand."""
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
     from megatron_kd_plugin.bridge.train_cli import build_config
@@ -186,13 +186,13 @@ def tp1_body(store):
                   "optimizer.lr=1e-3", "optimizer.min_lr=1e-3")[1],
     }
     return {"history": reference, "params": gathered_parameters(reference_model), "check": check,
-            "alpha_half": alpha_half, "ablations": ablations, "real_recipes": validate_real_recipes(),
+            "alpha_half": alpha_half, "ablations": ablations, "real_recipes": validate_real_recipes(hf_student),
             "sampled": sampled_store_step(store.with_name("sampled.zarr"), store, reference_model)}
 
 
-def validate_real_recipes() -> dict[str, int]:
+def validate_real_recipes(hf_student) -> dict[str, int]:
     """Bridge's own ``runtime_config_update`` (mixed precision, DP size, ``cfg.validate()``) accepts the Qwen3
-    recipes at their world sizes; the KD store check is skipped (no 32K Qwen3 cache here)."""
+    recipes (with the tiny HF student) at their world sizes; the KD store check is skipped (no 32K cache here)."""
     from unittest import mock
 
     import megatron.bridge.training.config as bridge_config
@@ -206,7 +206,7 @@ def validate_real_recipes() -> dict[str, int]:
                              ("qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config", 8)):
         with mock.patch.object(bridge_config, "get_world_size_safe", lambda: world_size), \
                 mock.patch.object(kd_config, "check_kd_config", lambda cfg: None):
-            cfg = RECIPES[name]()
+            cfg = RECIPES[name](hf_path=str(hf_student))
             runtime_config_update(cfg)
         data_parallel[name] = cfg.data_parallel_size
     return data_parallel
@@ -218,11 +218,11 @@ def tp2_body(store):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_hf_qwen3):
     from tests.distributed import run_on_ranks
 
     store = tmp_path_factory.mktemp("bridge") / "teacher.zarr"
-    tp1 = run_on_ranks(1, tp1_body, store, timeout=600)[0]
+    tp1 = run_on_ranks(1, tp1_body, store, tiny_hf_qwen3, timeout=600)[0]
     tp2 = run_on_ranks(2, tp2_body, store, timeout=600)
     return tp1, tp2
 

@@ -7,7 +7,9 @@
 #    wheels to put there and how to download them, and stops;
 # 2. runs the kernel tests and the Triton fused-loss tests on the GPU (compiled Triton kernels, no interpreter;
 #    bf16 chunk GEMMs with fp32 dX/dW through cuBLAS's out_dtype);
-# 3. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
+# 3. trains a KD student on GPU without TE or Bridge (tools/gpu_student_check.py: megatron-core GPTModel, local
+#    layers, bf16, DDP + distributed optimizer, top-K dataset rows, forward_backward_no_pipelining; loss must fall);
+# 4. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
 #    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor).
 # Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md (the tables).
 set -uo pipefail
@@ -76,6 +78,10 @@ status=0
 echo "== kernel and Triton fused-loss tests on the GPU ($(($(date +%s) - started)) s)"
 timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py \
   tests/test_loss_triton.py || status=$?
+echo "== KD student step under megatron-core's schedule, local layers, bf16 ($(($(date +%s) - started)) s)"
+"$py" -c 'import megatron.core, zarr' 2>/dev/null ||  # megatron-core and zarr travel as wheels (no TE needed)
+  "$py" -m pip install -q --no-index --find-links "$wheels" megatron-core zarr tqdm psutil || status=$?
+timeout 120 "$py" tools/gpu_student_check.py || status=$?
 left=$((460 - ($(date +%s) - started)))  # the benchmark gets what is left of ~7.7 minutes
 echo "== loss benchmark ($(($(date +%s) - started)) s; ${left} s left for it)"
 timeout "$left" "$py" tools/bench_loss_gpu.py --budget-s $((left - 60)) --out "$out/loss_gpu.md" || status=$?

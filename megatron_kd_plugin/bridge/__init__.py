@@ -1,12 +1,21 @@
 """Megatron-Bridge integration — the only part of the plugin that imports ``megatron.bridge``.
 
+``forward_step`` and ``dataset`` themselves need only megatron-core (the GPU check runs them without Bridge): without
+Megatron-Bridge installed the package still imports, only without ``register``.
+
 - ``provider.TopKCacheDatasetProvider``: ``cfg.dataset`` over a teacher top-K cache store.
 - ``forward_step.kd_forward_step``: the forward step for ``pretrain(cfg, kd_forward_step)``.
 - ``config.KDConfigContainer`` / ``KDConfig``: a ConfigContainer with the ``kd`` loss section.
 - ``register.register()``: lets Bridge configs name the plugin's classes as ``_target_``.
-- ``cpu_train.train_on_cpu``: the CPU development path (Bridge's loop needs CUDA).
+- ``cpu_train.train_on_cpu``: the CPU development path (Bridge's loop needs CUDA); ``cpu_checkpoint``: its
+  checkpoints in Bridge's layout.
+- ``student``: students from and back to Hugging Face checkpoints (AutoBridge); ``hf``: HF folder -> provider.
 """
 
-from megatron_kd_plugin.bridge.register import register
+try:
+    from megatron_kd_plugin.bridge.register import register
+except ModuleNotFoundError as error:   # no Megatron-Bridge: forward_step and dataset still import
+    if not (error.name or "").startswith("megatron.bridge"):
+        raise
 
 __all__ = ["register"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.utils.common_utils import get_world_size_safe
 
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
@@ -63,11 +64,24 @@ class KDConfig:
 class KDConfigContainer(ConfigContainer):
     """Bridge's ``ConfigContainer`` plus the ``kd`` section read by ``kd_forward_step``."""
 
-    kd: KDConfig = dataclasses.field(default_factory=KDConfig)
-    """Top-K distillation loss options."""
+    kd: KDConfig | None = None
+    """Top-K distillation loss options; required. (None only when a loader dropped the section, which is refused:
+    Bridge's ``ConfigContainer.from_yaml`` keeps only ``ConfigContainer``'s own fields, yet instantiates the
+    ``_target_`` class, so a KD YAML would otherwise come back with default loss options.)"""
+
+    def __post_init__(self) -> None:
+        if self.kd is None:
+            raise ValueError("KDConfigContainer without its kd section: ConfigContainer.from_yaml drops it (lenient "
+                             "mode); load a KD config with KDConfigContainer.from_yaml, or pass kd=KDConfig(...)")
 
     def validate(self) -> None:
-        """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this)."""
+        """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this).
+
+        A NullTokenizer without a vocabulary size (the recipes') takes the model's, whatever ``model.vocab_size``
+        overrides set: Bridge's setup refuses a model vocabulary smaller than the tokenizer's.
+        """
+        if self.tokenizer.tokenizer_type == "NullTokenizer" and self.tokenizer.vocab_size is None:
+            self.tokenizer.vocab_size = self.model.vocab_size
         super().validate()
         check_kd_config(self)
 
@@ -75,15 +89,16 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the dataset is a finished top-K cache whose K is the expected one, whose
-    vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
-    whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
+    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
+    whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the
+    student's (= the dataset's), and whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
     context parallelism and virtual pipelines, which the KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
     cfg.kd.finalize()
     model = cfg.model
+    check_parallel_sizes_divide_world(model)
     if model.seq_length != cfg.dataset.seq_length:
         raise ValueError(f"model.seq_length={model.seq_length} != dataset.seq_length={cfg.dataset.seq_length}: "
                          "override both")
@@ -96,3 +111,17 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):
         raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "
                          "store needs kd.tail='sampled', and kd.tail='sampled' a store written with --sample N")
+
+
+def check_parallel_sizes_divide_world(model) -> None:
+    """ValueError unless TP x PP x CP divides the world size (torchrun's WORLD_SIZE, or the process group's)."""
+    world = get_world_size_safe()
+    sizes = {"tensor_model_parallel_size": model.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": model.pipeline_model_parallel_size,
+             "context_parallel_size": model.context_parallel_size}
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if world % product:
+        named = " x ".join(f"model.{name}={value}" for name, value in sizes.items())
+        raise ValueError(f"{named} = {product} does not divide the world size {world}")

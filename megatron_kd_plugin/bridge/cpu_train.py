@@ -4,9 +4,13 @@ Megatron-Bridge's training loop and megatron-core's schedules assume CUDA (``for
 allocates ``total_num_tokens`` on "cuda"), so on a machine without CUDA this loop drives the same pieces: it runs
 megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward_step_calc_loss`` contract: the
 3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
-gradients over data parallelism, clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
-``torch.optim.AdamW`` under Bridge's learning-rate scheduler. It is not a second trainer: no checkpoints,
-evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
+gradients over data parallelism (and, as megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel
+norm gradients over TP), clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
+``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
+resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
+a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
+it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It is not a second trainer:
+no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
 
@@ -27,19 +31,16 @@ from megatron.bridge.training.config import runtime_config_update
 from megatron.bridge.training.optim import _get_scheduler
 from megatron.bridge.training.state import GlobalState
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import get_model_config
 from tqdm import tqdm
 
+from megatron_kd_plugin.bridge.cpu_checkpoint import load_checkpoint, save_checkpoint
+from megatron_kd_plugin.bridge.hf import is_hf_checkpoint
+from megatron_kd_plugin.bridge.student import load_hf_weights
 from megatron_kd_plugin.bridge.forward_step import kd_forward_step
 from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, cuda_absent, seed_model_parallel
-
-
-def local_block_spec(config):
-    """megatron-core's non-Transformer-Engine block spec: TE layers raise "needs CUDA" (DESIGN.md §3)."""
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
 
 
 def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
@@ -67,6 +68,24 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str
     return metrics
 
 
+def _allreduce_replicated_grads_over_tp(model, config) -> None:
+    """Sum (or average) over TP the gradients of parameters every TP rank holds whole but sees only part of the
+    input for — megatron-core's rule (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``, which
+    needs DDP-wrapped chunks): QK-layernorm weights (each rank normalises its own heads), sequence-parallel norms,
+    and parameters marked ``average_gradients_across_tp_domain``. Without it the TP ranks' copies drift apart."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=group)
+        elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+            dist.all_reduce(param.grad, group=group)
+
+
 def _clip_grad_norm(params, max_norm: float) -> float:
     """Global L2 norm of the gradients (TP-duplicated parameters counted once), then scale them to ``max_norm``
     if above (0: no clipping) — megatron-core's rule; its own functions allocate on "cuda"."""
@@ -82,7 +101,8 @@ def _clip_grad_norm(params, max_norm: float) -> float:
 
 
 def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = True):
-    """Train ``cfg`` (a KD recipe) for ``cfg.train.train_iters`` steps on CPU; returns (model chunks, history).
+    """Train ``cfg`` (a KD recipe) up to ``cfg.train.train_iters`` steps on CPU; returns (model chunks, history of
+    the steps run here: a resumed run starts at its checkpoint's step).
 
     Raises ValueError before step one on anything the run cannot do (bad store, mismatched sizes, PP > 1, CUDA
     present: use Bridge's ``pretrain()`` there).
@@ -92,6 +112,10 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     if cfg.model.pipeline_model_parallel_size != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={cfg.model.pipeline_model_parallel_size}: the CPU "
                          "loop runs no pipeline schedule; use 1")
+    pretrained = cfg.checkpoint.pretrained_checkpoint
+    if pretrained is not None and not is_hf_checkpoint(pretrained):
+        raise ValueError(f"checkpoint.pretrained_checkpoint={pretrained}: the CPU loop starts only from a Hugging "
+                         "Face checkpoint folder (config.json + *.safetensors)")
     apply_cpu_workarounds()
     init_cpu_distributed(cfg.model.tensor_model_parallel_size)
     runtime_config_update(cfg)   # Bridge's finalisation + cfg.validate(), which includes the KD checks
@@ -100,27 +124,29 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     seed_model_parallel(cfg.rng.seed)
     models = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                  weight_decay=opt.weight_decay)
+    scheduler = _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)
+    if not load_checkpoint(state, models, optimizer, scheduler) and pretrained is not None:
+        load_hf_weights(models, pretrained)
 
     dp_group = parallel_state.get_data_parallel_group()
     dp_size = dist.get_world_size(dp_group)
     train_samples, _, _ = get_train_valid_test_num_samples(cfg)
     train_ds, _, _ = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=train_samples, valid_samples=0,
                                                                     test_samples=0))
-    loader = build_pretraining_data_loader(
-        train_ds, 0, cfg.dataset.dataloader_type, cfg.train.micro_batch_size, cfg.dataset.num_workers,
-        cfg.dataset.data_sharding, pin_memory=False, data_parallel_rank=dist.get_rank(dp_group),
+    loader = build_pretraining_data_loader(   # resumed: from the first sample the checkpointed run had not seen
+        train_ds, state.train_state.consumed_train_samples, cfg.dataset.dataloader_type, cfg.train.micro_batch_size,
+        cfg.dataset.num_workers, cfg.dataset.data_sharding, pin_memory=False, data_parallel_rank=dist.get_rank(dp_group),
         data_parallel_size=dp_size, global_batch_size=cfg.train.global_batch_size, seed=cfg.dataset.seed)
     data_iterator = iter(loader)
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
 
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                  weight_decay=opt.weight_decay)
-    scheduler = _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)
     model_config = get_model_config(models[0])
     step_func = lambda data_iterator, model: forward_step_func(state, data_iterator, model)  # noqa: E731
     history = []
-    steps = range(cfg.train.train_iters)
+    steps = range(state.train_state.step, cfg.train.train_iters)
     for step in tqdm(steps, desc="KD on CPU", disable=not progress or dist.get_rank() != 0):
         for param in params:
             param.grad = None
@@ -134,6 +160,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         for param in params:   # what DDP does: average gradients over data-parallel ranks
             dist.all_reduce(param.grad, group=dp_group)
             param.grad /= dp_size
+        _allreduce_replicated_grads_over_tp(models[0], model_config)
         grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
@@ -141,4 +168,12 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         dist.all_reduce(loss, group=dp_group)
         history.append({"step": step, "loss": float(loss) / dp_size, "lr": lr, "grad norm": float(grad_norm),
                         **_reduce_report(reports, dp_group)})
+        state.train_state.step = done = step + 1
+        state.train_state.consumed_train_samples += cfg.train.global_batch_size
+        exiting = bool(cfg.train.exit_interval) and done % cfg.train.exit_interval == 0   # Bridge's exit rule
+        if cfg.checkpoint.save and (done % cfg.checkpoint.save_interval == 0 or done == cfg.train.train_iters
+                                    or exiting):
+            save_checkpoint(state, models, optimizer, scheduler)
+        if exiting:
+            break
     return models, history

@@ -13,7 +13,9 @@ Per microbatch:
      all-reduced (reduce-scattered) across TP in backward.
   3. ``kd_loss_func`` returns Megatron's 3-tuple ``(loss_sum, num_tokens, report)``; the schedule divides by
      num_tokens and the number of microbatches. ``report`` holds ``[sum, count]`` pairs: ``kd loss``,
-     ``lm loss`` (only when alpha < 1), ``student top-K mass`` and ``teacher top-K mass``.
+     ``lm loss`` (only when alpha < 1), ``student top-K mass`` and ``teacher top-K mass``. With Bridge's
+     ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there, through
+     megatron-core's rerun state machine as Bridge's own loss does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 
 import torch
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
@@ -61,18 +64,54 @@ def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
     return torch.ones(seq_length, seq_length, dtype=torch.bool).triu(1).view(1, 1, seq_length, seq_length)
 
 
+def run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """What calling ``module`` does before its forward, without the forward: run its forward pre-hooks.
+
+    megatron-core's DDP waits for a parameter's overlapped all-gather (``overlap_param_gather``) only in a forward
+    pre-hook of the module that owns it, and that wait also dispatches the next bucket's gather. A loss that reads
+    ``module.weight`` without calling ``module`` must run them, or it reads a weight still being gathered and the
+    next dispatch trips ``assert self.param_gather_handle is None``. megatron-core's fused expert implementation
+    does the same for its skipped submodules; as there, a hook that would rewrite the input is refused.
+    """
+    for hook_id, hook in module._forward_pre_hooks.items():
+        with_kwargs = hook_id in module._forward_pre_hooks_with_kwargs
+        if (hook(module, (), {}) if with_kwargs else hook(module, ())) is not None:
+            raise RuntimeError(f"a forward pre-hook of {type(module).__name__} rewrites its input; the KD loss "
+                               "reads the weight without calling the module and cannot honour it")
+
+
 def _kd_output_processor(*, hidden_states, output_layer, output_weight, context, **_) -> KDLossResult:
-    """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss."""
+    """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss.
+
+    The weight is ``output_layer``'s (untied, or tied on a last stage without the embedding), whose forward never
+    runs, so its pre-hooks (DDP's gather wait) run here; with tied embeddings on the first stage it is the
+    embedding's, whose module already ran, and ``output_layer`` owns no parameter for its hooks to wait on.
+    """
+    run_forward_pre_hooks(output_layer)
     weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
     return topk_kd_loss(hidden_states, weight, **context)
 
 
-def kd_loss_func(alpha: float, output_tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def validate_local_loss(loss: torch.Tensor) -> None:
+    """Bridge's NaN/Inf check of one rank's loss before the DP all-reduce (``training/losses.py``): through
+    megatron-core's rerun state machine, fatal (with reruns disabled: a RuntimeError naming rank and iteration)."""
+    rerun_state_machine = get_rerun_state_machine()
+    for rejection_func, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+        rerun_state_machine.validate_result(result=loss, rejection_func=rejection_func,
+                                            message=f"found {name} in local forward KD loss calculation",
+                                            tolerance=0.0, fatal=True)   # the forward is deterministic
+
+
+def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's 3-tuple loss contract from the loss's result (``lm loss`` reported only when alpha < 1).
 
-    ``output_tensor`` is the ``KDLossResult`` (or the plain tuple a bf16 ``Float16Module`` turns it into).
+    ``output_tensor`` is the ``KDLossResult`` (or the plain tuple a bf16 ``Float16Module`` turns it into);
+    ``check_for_nan_in_loss`` (Bridge's ``rerun_state_machine.check_for_nan_in_loss``) validates the loss sum.
     """
     result = KDLossResult(*output_tensor)
+    if check_for_nan_in_loss:
+        validate_local_loss(result.loss_sum)
     count = result.num_tokens.to(torch.float32)
     report = {"kd loss": torch.stack([result.kd_sum, count])}
     if alpha < 1.0:
@@ -108,4 +147,5 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
                    attention_mask=_causal_mask_off_cuda(config.seq_length if batch["tokens"] is None
                                                         else batch["tokens"].shape[1]),
                    labels=batch["labels"], output_processor=_kd_output_processor, output_processor_context=context)
-    return output, functools.partial(kd_loss_func, options.alpha)
+    return output, functools.partial(kd_loss_func, options.alpha,
+                                     check_for_nan_in_loss=state.cfg.rerun_state_machine.check_for_nan_in_loss)

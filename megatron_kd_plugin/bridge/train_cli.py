@@ -6,8 +6,10 @@
     torchrun --nproc_per_node=2 -m megatron_kd_plugin train --recipe tiny_gpt_kd_cpu_fp32_config \\
         dataset.cache_path=outputs/caches/tiny_teacher.zarr model.tensor_model_parallel_size=2
 
-With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step; without CUDA the same config runs
-under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``). ``--config-file`` merges a YAML of
+With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step (checked to import before anything is
+built; what it lacks is named with the install command: ``pip install 'megatron_kd_plugin[gpu]'``, docs/bridge.md);
+without CUDA the same config runs under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``).
+``--hf-path`` gives a recipe that takes a Hugging Face student (``hf_path``) its folder or hub id. ``--config-file`` merges a YAML of
 overrides first (it may name the plugin's classes as ``_target_``). An override naming an unknown field, an
 unknown recipe or a bad cache stops the run before step one with the reason.
 """
@@ -23,12 +25,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", help="recipe function name (--list shows them)")
     parser.add_argument("--config-file", help="YAML of overrides merged before the command-line ones")
     parser.add_argument("--list", action="store_true", help="print the recipe names and exit")
+    parser.add_argument("--hf-path", help="the student's Hugging Face checkpoint (folder or hub id), for recipes "
+                                          "that take one")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. train.train_iters=100")
     return parser.parse_args(argv)
 
 
-def build_config(recipe: str, overrides: list[str], config_file: str | None = None):
-    """The recipe's config with the YAML file and the overrides applied (ValueError/OverridesError on bad input)."""
+def build_config(recipe: str, overrides: list[str], config_file: str | None = None, hf_path: str | None = None):
+    """The recipe's config with the YAML file and the overrides applied (ValueError/OverridesError on bad input);
+    ``hf_path`` is passed to a recipe that takes one (and refused by one that does not)."""
+    import inspect
+
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from megatron_kd_plugin.bridge import register
@@ -37,7 +44,29 @@ def build_config(recipe: str, overrides: list[str], config_file: str | None = No
     register()
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}")
-    return process_config_with_overrides(RECIPES[recipe](), config_filepath=config_file, cli_overrides=overrides)
+    kwargs = {}
+    if hf_path is not None:
+        if "hf_path" not in inspect.signature(RECIPES[recipe]).parameters:
+            raise ValueError(f"--hf-path={hf_path}: recipe {recipe} builds its own student (it takes no hf_path)")
+        kwargs["hf_path"] = hf_path
+    return process_config_with_overrides(RECIPES[recipe](**kwargs), config_filepath=config_file,
+                                         cli_overrides=overrides)
+
+
+PRETRAIN_NEEDS = {"nvidia_resiliency_ext": "nvidia-resiliency-ext", "modelopt": "nvidia-modelopt[torch]"}
+"""Modules Bridge's ``pretrain`` imports that a plain ``megatron-bridge --no-deps`` install lacks -> pip names."""
+
+
+def import_pretrain():
+    """Bridge's ``pretrain`` function; ImportError with one line naming what to install when it cannot import."""
+    try:
+        from megatron.bridge.training.pretrain import pretrain
+    except ImportError as error:
+        missing = error.name or str(error)
+        package = PRETRAIN_NEEDS.get(missing.split(".")[0], missing)
+        raise ImportError(f"Megatron-Bridge's pretrain() cannot import {missing!r}: install {package} (on a CUDA "
+                          "machine: pip install 'megatron_kd_plugin[gpu]', see docs/bridge.md)") from error
+    return pretrain
 
 
 def print_history(history: list[dict]) -> None:
@@ -64,15 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
 
     try:
-        cfg = build_config(args.recipe, args.overrides, args.config_file)
+        pretrain = import_pretrain() if torch.cuda.is_available() else None   # GPU installs only: before any work
+        cfg = build_config(args.recipe, args.overrides, args.config_file, args.hf_path)
         check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
-    except (ValueError, OverridesError) as error:
+    except (ImportError, ValueError, OverridesError) as error:
         print(f"train: error: {error}", file=sys.stderr)
         return 2
 
-    if torch.cuda.is_available():
-        from megatron.bridge.training.pretrain import pretrain   # imports nvidia-resiliency-ext: GPU machines only
-
+    if pretrain is not None:
         pretrain(cfg, kd_forward_step)
         return 0
     import torch.distributed as dist
