@@ -83,12 +83,15 @@ def _causal_sdpa_attention():
 
 
 def _init_single_process(device) -> None:
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, seed_model_parallel
 
     apply_cpu_workarounds()
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 2000))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

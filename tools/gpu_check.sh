@@ -9,7 +9,9 @@
 #    bf16 chunk GEMMs with fp32 dX/dW through cuBLAS's out_dtype);
 # 3. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
 #    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor).
-# Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md (the tables).
+# 4. runs the whole-step memory benchmark (tools/bench_step.py: a 2-layer megatron-core student, local layers, H=2880,
+#    V=201,088, T = 4 x {2K, 8K, 32K}; student-only, Dense, the megatron-core peer, forward-chunked, fused x 2; ~4 min).
+# Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md, step_gpu.md (the tables).
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -76,6 +78,10 @@ status=0
 echo "== kernel and Triton fused-loss tests on the GPU ($(($(date +%s) - started)) s)"
 timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py \
   tests/test_loss_triton.py || status=$?
+echo "== whole KD step's peak memory, megatron-core student at gpt-oss V and H ($(($(date +%s) - started)) s)"
+"$py" -c 'import megatron.core' 2>/dev/null || "$py" -m pip install -q --no-index --find-links "$wheels" megatron-core
+timeout 240 "$py" tools/bench_step.py --device cuda --hidden 2880 --vocab 201088 --heads 40 --groups 8 --ffn 2880 \
+  --seq-lengths 2048,8192,32768 --micro-batch 4 --budget-s 200 --out "$out/step_gpu.md" || status=$?
 left=$((460 - ($(date +%s) - started)))  # the benchmark gets what is left of ~7.7 minutes
 echo "== loss benchmark ($(($(date +%s) - started)) s; ${left} s left for it)"
 timeout "$left" "$py" tools/bench_loss_gpu.py --budget-s $((left - 60)) --out "$out/loss_gpu.md" || status=$?

@@ -14,9 +14,10 @@ for the T = s·b/cp tokens one rank's loss sees (V_p = padded V / tp, K teacher 
 
   fused            c + T·H·4 (dX) + V_p·H·4 (dW, fp32 like main_grad) + 8·T·K·4 (per-token state)
   forward_chunked  2·T·V_p·4 (logits + their gradient) + dX + dW + 8·T·K·4
-  megatron_peer    T·V_p·(4·4 + a) (the output layer's logits in the activation dtype a, their fp32 copy, exp,
-                   log-probs and the gradient) + T·H·a; dW goes straight to main_grad
-  dense            6·T·V·4 (the plugin's reference: logits, log q, the [T, V] teacher grid, gradients) + dX + dW
+  megatron_peer    T·V_p·3·4 (fp32 logits, exp, log-probs; fp32 measured: 12.0 B/logit) + with a = 2 B activations
+                   T·V_p·2·2 (the output layer's bf16 logits and their gradient) + T·H·a; dW goes to main_grad
+  dense            5·T·V·4 (the plugin's reference: logits, log q, the [T, V] teacher grid, gradients; measured
+                   20.8 B/logit) + dX + dW
 
 plus the KD batch itself (T·K·(4 + 4): teacher ids and log-probs). Recompute: ``selective`` (and None, with the
 flash attention of Transformer Engine: no [s, s] scores are kept) use Bridge's per-layer figure;
@@ -80,8 +81,8 @@ def loss_head_bytes(shape: LossHeadShape, *, transient_dw: bool = True) -> dict[
     return {
         "fused": shape.chunk_bytes + dx + dw + per_token,
         "forward_chunked": 2 * t * vp * 4 + dx + dw + per_token,
-        "megatron_peer": t * vp * (4 * 4 + a) + t * h * a,
-        "dense": 6 * t * v * 4 + dx + dw,
+        "megatron_peer": t * vp * (3 * 4 + (2 * a if a == 2 else 0)) + t * h * a,
+        "dense": 5 * t * v * 4 + dx + dw,
     }
 
 
