@@ -5,6 +5,7 @@ Commands:
   cache     run a teacher once over token data and write its top-K (or sampled) cache store (under torchrun)
   train     distil a student from a cache store with a KD recipe (Bridge's pretrain() on GPU, a CPU loop without)
   inspect   print (and optionally plot) what a teacher top-K cache store holds
+  plan      per-GPU memory of a KD recipe by component (weights ... loss head) and whether it fits a GPU
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ COMMANDS = {
     "cache": "megatron_kd_plugin.cache.cli",
     "train": "megatron_kd_plugin.bridge.train_cli",
     "inspect": "megatron_kd_plugin.cache.inspect",
+    "plan": "megatron_kd_plugin.bridge.memory_plan",
 }
 
 

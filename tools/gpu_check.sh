@@ -9,9 +9,12 @@
 #    bf16 chunk GEMMs with fp32 dX/dW through cuBLAS's out_dtype);
 # 3. trains a KD student on GPU without TE or Bridge (tools/gpu_student_check.py: megatron-core GPTModel, local
 #    layers, bf16, DDP + distributed optimizer, top-K dataset rows, forward_backward_no_pipelining; loss must fall);
-# 4. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
-#    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor).
-# Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md (the tables).
+# 4. runs the whole-step memory benchmark (tools/bench_step.py: a 2-layer megatron-core student, local layers, H=2880,
+#    V=201,088, T = 4 x {2K, 8K, 32K}; student-only, Dense, the megatron-core peer, forward-chunked, fused x 2; <= 3 min);
+# 5. runs the loss-head benchmark at gpt-oss-like shapes (tools/bench_loss_gpu.py: H=2880, V=201,088 and V/8,
+#    T in {8192, 32768, 131072}; Dense vs Forward-chunked vs Fused PyTorch vs Fused Triton, + the GEMM floor)
+#    in whatever is left of 8 minutes.
+# Everything lands in bench_results/gpu_check-<UTC time>/: log.txt (all output), loss_gpu.md, step_gpu.md (the tables).
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -82,8 +85,15 @@ echo "== KD student step under megatron-core's schedule, local layers, bf16 ($((
 "$py" -c 'import megatron.core, zarr' 2>/dev/null ||  # megatron-core and zarr travel as wheels (no TE needed)
   "$py" -m pip install -q --no-index --find-links "$wheels" megatron-core zarr tqdm psutil || status=$?
 timeout 120 "$py" tools/gpu_student_check.py || status=$?
+echo "== whole KD step's peak memory, megatron-core student at gpt-oss V and H ($(($(date +%s) - started)) s)"
+timeout 180 "$py" tools/bench_step.py --device cuda --hidden 2880 --vocab 201088 --heads 40 --groups 8 --ffn 2880 \
+  --seq-lengths 2048,8192,32768 --micro-batch 4 --budget-s 150 --out "$out/step_gpu.md" || status=$?
 left=$((460 - ($(date +%s) - started)))  # the benchmark gets what is left of ~7.7 minutes
-echo "== loss benchmark ($(($(date +%s) - started)) s; ${left} s left for it)"
-timeout "$left" "$py" tools/bench_loss_gpu.py --budget-s $((left - 60)) --out "$out/loss_gpu.md" || status=$?
+if [ "$left" -ge 120 ]; then
+  echo "== loss benchmark ($(($(date +%s) - started)) s; ${left} s left for it)"
+  timeout "$left" "$py" tools/bench_loss_gpu.py --budget-s $((left - 60)) --out "$out/loss_gpu.md" || status=$?
+else
+  echo "== loss benchmark skipped: only ${left} s of the 8 minutes left (run tools/bench_loss_gpu.py alone)"
+fi
 echo "== done in $(($(date +%s) - started)) s, status $status; results in $out"
 exit "$status"

@@ -16,6 +16,7 @@ import dataclasses
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.utils.common_utils import get_world_size_safe
 
+from megatron_kd_plugin.bridge.context_parallel import check_cp_seq_length
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
 
@@ -90,9 +91,9 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
     The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
-    whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the
-    student's (= the dataset's), and whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
-    context parallelism and virtual pipelines, which the KD step does not handle, are off.
+    whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
+    whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
+    with context parallelism 2·cp divides seq_length; virtual pipelines, which the KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -102,8 +103,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if model.seq_length != cfg.dataset.seq_length:
         raise ValueError(f"model.seq_length={model.seq_length} != dataset.seq_length={cfg.dataset.seq_length}: "
                          "override both")
-    if model.context_parallel_size != 1:
-        raise ValueError(f"model.context_parallel_size={model.context_parallel_size}: the KD step supports only 1")
+    check_cp_seq_length(model.seq_length, model.context_parallel_size, what="model.seq_length")
     if (model.virtual_pipeline_model_parallel_size or 1) != 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}:"
                          " the KD step supports only None")

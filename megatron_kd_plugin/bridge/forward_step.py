@@ -4,8 +4,9 @@ Per microbatch:
   1. ``get_kd_batch`` takes the next batch-first dict from the data iterator, keeps what this pipeline stage needs
      (first: tokens, position_ids; last: labels, loss_mask, teacher_ids, teacher_logprobs, and
      teacher_sample_weights when a sampled store yields them) and moves it to the model's device; the weights
-     reach the loss as ``sample_weights``. Bridge's own batch function cannot be used: it drops unknown keys (the
-     teacher tensors).
+     reach the loss as ``sample_weights``. With context parallelism every tensor is cut to this CP rank's S/cp
+     tokens (``context_parallel.slice_kd_batch_for_cp``). Bridge's own batch function cannot be used: it drops
+     unknown keys (the teacher tensors).
   2. The model runs with GPTModel's ``output_processor`` hook: on the last stage the final-norm hidden states
      [s, b, H] (or [s/tp, b, H] with sequence parallelism) and this rank's lm_head shard [V/tp, H] go straight
      into ``topk_kd_loss``; no [s, b, V/tp] logits are built. The loss maps hidden through
@@ -28,6 +29,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
 from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
 from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
 
@@ -37,8 +39,10 @@ OPTIONAL_LAST_STAGE_KEYS = (SAMPLE_WEIGHTS,)
 """Passed on when the batch has them (rows of a sampled store); None otherwise."""
 
 
-def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) -> dict[str, torch.Tensor | None]:
-    """This stage's tensors of the next batch (batch-first, as the dataset yields them), on the model's device.
+def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool,
+                 cp_group=None) -> dict[str, torch.Tensor | None]:
+    """This stage's tensors of the next batch (batch-first, as the dataset yields them), on the model's device,
+    cut to this rank's S/cp tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``).
 
     Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
     """
@@ -53,7 +57,8 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool) ->
     if is_last_stage:
         wanted += tuple(key for key in OPTIONAL_LAST_STAGE_KEYS if key in batch)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return {key: batch[key].to(device, non_blocking=True) if key in wanted else None for key in keys}
+    batch = {key: batch[key].to(device, non_blocking=True) if key in wanted else None for key in keys}
+    return slice_kd_batch_for_cp(batch, cp_group)
 
 
 def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
@@ -130,7 +135,7 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     config = get_model_config(model)
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
     batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
-                         is_last_stage=is_pp_last_stage(pg_collection.pp))
+                         is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp)
     context = None
     if batch["teacher_ids"] is not None:
         context = dict(

@@ -1,0 +1,72 @@
+"""The memory planner (``python -m megatron_kd_plugin plan``) against Megatron-Bridge's estimator, on the long-context
+recipes and the published case (single process, no store, no model built)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
+
+from megatron_kd_plugin.bridge.memory_plan import GIB, fits, main, plan_memory
+from recipes import RECIPES
+
+ONE_GPU = "qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config"
+EIGHT_GPU = "qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config"
+H200_GIB = 140
+
+
+def test_plan_is_bridges_estimate_split_with_only_the_output_layer_term_replaced():
+    cfg = RECIPES[EIGHT_GPU]()
+    cfg.data_parallel_size = 1
+    estimate = estimate_training_memory(cfg)
+    plan = plan_memory(cfg, gpus=8)
+    assert plan.weights + plan.gradients + plan.optimizer == pytest.approx(estimate.weight_and_optimizer_bytes)
+    m = cfg.model
+    full_logits_term = m.seq_length * m.hidden_size * 4 * (1 + 151936 / m.hidden_size) / m.context_parallel_size
+    assert plan.activations + full_logits_term == pytest.approx(estimate.activation.memory_bytes)
+    # CP divides everything per token; full recompute keeps far less than selective
+    cfg.model.context_parallel_size = 1
+    assert plan_memory(cfg, gpus=1).activations == pytest.approx(8 * plan.activations)
+    cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
+    assert plan_memory(cfg, gpus=1).activations < 0.2 * 8 * plan.activations
+
+
+def _stated_gib(recipe) -> float:
+    return float(re.search(r"Planner: ([\d.]+) GiB", " ".join(recipe.__doc__.split())).group(1))
+
+
+def test_long_context_recipes_fit_an_h200_as_their_docstrings_state():
+    one, eight = RECIPES[ONE_GPU], RECIPES[EIGHT_GPU]
+    plan_one, plan_eight = plan_memory(one(), gpus=1), plan_memory(eight(), gpus=8)
+    assert eight().model.seq_length >= 65536 and eight().model.context_parallel_size == 8
+    for recipe, plan in ((one, plan_one), (eight, plan_eight)):
+        assert plan.impl == "fused" and fits(plan, H200_GIB)
+        assert round(plan.total() / GIB, 1) == _stated_gib(recipe), recipe.__name__
+    assert not fits(plan_one, H200_GIB, "forward_chunked") and not fits(plan_one, H200_GIB, "megatron_peer")
+    longer = one()
+    longer.model.seq_length = longer.dataset.seq_length = 2 * longer.model.seq_length
+    assert not fits(plan_memory(longer, gpus=1), H200_GIB)       # the longest power of two that fits
+
+
+def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys):
+    assert main(["--published"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[2].split()
+    assert header[-4:] == ["fused", "forward_chunked", "megatron_peer", "dense"]
+    total = [float(x) for x in next(line for line in out.splitlines() if line.startswith("total")).split()[1:]]
+    verdict = next(line for line in out.splitlines() if line.startswith("140 GiB GPU"))
+    assert verdict.split("usable)")[1].split() == ["fits", "does", "NOT", "fit", "does", "NOT", "fit", "does",
+                                                    "NOT", "fit"]
+    assert "V=201,088" in out and "32,768 x micro_batch 4" in out
+    assert total[0] < total[3] / 2 and total[0] < total[2] / 2
+
+
+def test_plan_refuses_bad_input_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["--recipe", ONE_GPU, "--gpu-memory", "0"])
+    assert "--gpu-memory=0.0: must be > 0 GiB" in capsys.readouterr().err
+    assert main(["--recipe", "no_such_recipe"]) == 2
+    assert "unknown recipe 'no_such_recipe'" in capsys.readouterr().err
+    assert main(["--recipe", EIGHT_GPU, "--gpus", "12"]) == 2
+    assert "gpus=12 is not a multiple of TP x CP x PP = 8" in capsys.readouterr().err
