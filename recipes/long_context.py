@@ -9,33 +9,31 @@ per-token tensor of a row is split like the tokens (``megatron_kd_plugin.bridge.
 from __future__ import annotations
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from recipes.common import kd_common_config
-from recipes.qwen3 import qwen3_student
+from recipes.common import kd_hf_student_config
+from recipes.qwen3 import QWEN3_0P6B, QWEN3_1P7B
 
 
-def qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config() -> KDConfigContainer:
+def qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config(hf_path: str = QWEN3_1P7B) -> KDConfigContainer:
     """Qwen3-8B -> Qwen3-1.7B at 128K on 8 H200s: CP=8 (16K tokens a rank), selective recompute, 16 x 128K tokens a
     step. Planner: 40.1 GiB per GPU with the fused loss (weights 3.2, gradients 6.4, optimizer 2.4, activations
     26.3, loss head 1.8); the megatron-core peer's head alone would take 37.2."""
-    model = qwen3_student(num_layers=28, hidden_size=2048, ffn_hidden_size=6144)
-    model.seq_length = 131072
-    model.context_parallel_size = 8
-    model.recompute_granularity = "selective"
-    cfg = kd_common_config(model, cache_path="outputs/caches/qwen3_8b_top64_128k.zarr",
-                           run_name="qwen3_8b_to_1p7b_kd_128k")
+    cfg = kd_hf_student_config(hf_path, cache_path="outputs/caches/qwen3_8b_top64_128k.zarr",
+                               run_name="qwen3_8b_to_1p7b_kd_128k", seq_length=131072)
+    cfg.model.context_parallel_size = 8
+    cfg.model.recompute_granularity = "selective"
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 16, 1
     return cfg
 
 
-def qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config() -> KDConfigContainer:
+def qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config(hf_path: str = QWEN3_0P6B) -> KDConfigContainer:
     """Qwen3-8B -> Qwen3-0.6B at 1M (1,048,576) tokens on one H200: full recompute of every layer, 4 x 1M tokens a
     step; 2M does not fit. Planner: 104.6 GiB with the fused loss (weights 1.1, gradients 2.2, optimizer 6.7,
     activations 87.0, KD batch 0.5, loss head 7.1); forward-chunked would need 1,291 GiB. Attention work grows as
     s^2: a step is long; ``model.seq_length=N dataset.seq_length=N`` shortens it."""
-    model = qwen3_student(num_layers=28, hidden_size=1024, ffn_hidden_size=3072)
-    model.seq_length = 1048576
+    cfg = kd_hf_student_config(hf_path, cache_path="outputs/caches/qwen3_8b_top64_1m.zarr",
+                               run_name="qwen3_8b_to_0p6b_kd_1m", seq_length=1048576)
+    model = cfg.model
     model.recompute_granularity, model.recompute_method, model.recompute_num_layers = "full", "uniform", 1
-    cfg = kd_common_config(model, cache_path="outputs/caches/qwen3_8b_top64_1m.zarr", run_name="qwen3_8b_to_0p6b_kd_1m")
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 1
     cfg.ddp.overlap_grad_reduce = cfg.ddp.overlap_param_gather = False   # one rank: nothing to overlap
     return cfg

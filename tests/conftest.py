@@ -17,3 +17,12 @@ def tiny_hf_qwen3(tmp_path_factory):
 def tiny_hf_qwen3_moe(tmp_path_factory):
     """A tiny Qwen3-MoE checkpoint folder (2 layers, 4 experts top-2, vocab 1000)."""
     return save_tiny_causal_lm(tmp_path_factory.mktemp("hf") / "qwen3_moe", "qwen3_moe", vocab_size=1000, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_configs(tmp_path_factory):
+    """Config-only folders of the published Qwen3-0.6B and -1.7B shapes: {"0.6b": folder, "1.7b": folder}."""
+    from tests.hf_models import PUBLISHED_QWEN3, save_published_qwen3_config
+
+    root = tmp_path_factory.mktemp("qwen3_configs")
+    return {size: save_published_qwen3_config(root / size, size) for size in PUBLISHED_QWEN3}

@@ -67,3 +67,24 @@ def hf_logits(folder, tokens: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
                                                               experts_implementation="eager").eval()
     return model(input_ids=tokens).logits
+
+
+PUBLISHED_QWEN3 = {
+    # the published Qwen3 dense shapes (config.json fields) the long-context recipes are planned for
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144),
+}
+
+
+def save_published_qwen3_config(folder, size: str) -> pathlib.Path:
+    """A config-only HF folder of a published Qwen3 shape (``size`` in PUBLISHED_QWEN3): enough for a recipe's
+    architecture (AutoBridge with load_weights=False) and the memory planner, with no weights."""
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=151936, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"], **PUBLISHED_QWEN3[size])
+    folder = pathlib.Path(folder)
+    config.save_pretrained(folder)
+    return folder

@@ -3,6 +3,7 @@ recipes and the published case (single process, no store, no model built)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -16,8 +17,8 @@ EIGHT_GPU = "qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config"
 H200_GIB = 140
 
 
-def test_plan_is_bridges_estimate_split_with_only_the_output_layer_term_replaced():
-    cfg = RECIPES[EIGHT_GPU]()
+def test_plan_is_bridges_estimate_split_with_only_the_output_layer_term_replaced(qwen3_configs):
+    cfg = RECIPES[EIGHT_GPU](hf_path=str(qwen3_configs["1.7b"]))
     cfg.data_parallel_size = 1
     estimate = estimate_training_memory(cfg)
     plan = plan_memory(cfg, gpus=8)
@@ -36,11 +37,12 @@ def _stated_gib(recipe) -> float:
     return float(re.search(r"Planner: ([\d.]+) GiB", " ".join(recipe.__doc__.split())).group(1))
 
 
-def test_long_context_recipes_fit_an_h200_as_their_docstrings_state():
-    one, eight = RECIPES[ONE_GPU], RECIPES[EIGHT_GPU]
+def test_long_context_recipes_fit_an_h200_as_their_docstrings_state(qwen3_configs):
+    one = functools.partial(RECIPES[ONE_GPU], hf_path=str(qwen3_configs["0.6b"]))
+    eight = functools.partial(RECIPES[EIGHT_GPU], hf_path=str(qwen3_configs["1.7b"]))
     plan_one, plan_eight = plan_memory(one(), gpus=1), plan_memory(eight(), gpus=8)
     assert eight().model.seq_length >= 65536 and eight().model.context_parallel_size == 8
-    for recipe, plan in ((one, plan_one), (eight, plan_eight)):
+    for recipe, plan in ((RECIPES[ONE_GPU], plan_one), (RECIPES[EIGHT_GPU], plan_eight)):
         assert plan.impl == "fused" and fits(plan, H200_GIB)
         assert round(plan.total() / GIB, 1) == _stated_gib(recipe), recipe.__name__
     assert not fits(plan_one, H200_GIB, "forward_chunked") and not fits(plan_one, H200_GIB, "megatron_peer")
@@ -49,8 +51,8 @@ def test_long_context_recipes_fit_an_h200_as_their_docstrings_state():
     assert not fits(plan_memory(longer, gpus=1), H200_GIB)       # the longest power of two that fits
 
 
-def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys):
-    assert main(["--published"]) == 0
+def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys, qwen3_configs):
+    assert main(["--published", "--hf-path", str(qwen3_configs["1.7b"])]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[2].split()
     assert header[-4:] == ["fused", "forward_chunked", "megatron_peer", "dense"]
@@ -62,11 +64,11 @@ def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys):
     assert total[0] < total[3] / 2 and total[0] < total[2] / 2
 
 
-def test_plan_refuses_bad_input_with_one_line(capsys):
+def test_plan_refuses_bad_input_with_one_line(capsys, qwen3_configs):
     with pytest.raises(SystemExit):
         main(["--recipe", ONE_GPU, "--gpu-memory", "0"])
     assert "--gpu-memory=0.0: must be > 0 GiB" in capsys.readouterr().err
     assert main(["--recipe", "no_such_recipe"]) == 2
     assert "unknown recipe 'no_such_recipe'" in capsys.readouterr().err
-    assert main(["--recipe", EIGHT_GPU, "--gpus", "12"]) == 2
+    assert main(["--recipe", EIGHT_GPU, "--hf-path", str(qwen3_configs["1.7b"]), "--gpus", "12"]) == 2
     assert "gpus=12 is not a multiple of TP x CP x PP = 8" in capsys.readouterr().err

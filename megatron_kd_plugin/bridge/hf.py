@@ -27,6 +27,11 @@ CONFIG_FILE = "config.json"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+def is_hf_checkpoint(folder) -> bool:
+    """True when ``folder`` holds a Hugging Face ``config.json`` (it may still lack weights: see below)."""
+    return (pathlib.Path(folder) / CONFIG_FILE).is_file()
+
+
 def weight_files(folder) -> list[pathlib.Path]:
     """The safetensors files of the checkpoint (sorted); ValueError when there are none."""
     folder = pathlib.Path(folder)

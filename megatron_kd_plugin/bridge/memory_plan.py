@@ -1,8 +1,11 @@
 """What a KD run needs per GPU, by component, and whether it fits: ``python -m megatron_kd_plugin plan``.
 
     python -m megatron_kd_plugin plan --recipe qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config [overrides] \\
-        [--gpu-memory 140]
-    python -m megatron_kd_plugin plan --published     # gpt-oss vocabulary, 32K x 4 tokens: dense vs fused
+        [--hf-path STUDENT] [--gpu-memory 140]
+    python -m megatron_kd_plugin plan --published [--hf-path QWEN3_1P7B]   # gpt-oss vocabulary, 32K x 4 tokens
+
+The recipes take the student's architecture from its HF checkpoint (``--hf-path``: a folder, of which only
+config.json is read, or a hub id, fetched like the train command fetches it).
 
 Model state and activations come from Megatron-Bridge's own estimator
 (``megatron.bridge.training.utils.theoretical_memory_utils.estimate_training_memory``: parameters on the most
@@ -241,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--published", action="store_true",
                         help="the published case: gpt-oss vocabulary 201,088, 32K x 4 tokens, one GPU, "
                              f"recipe {PUBLISHED_CASE[0]} with {' '.join(PUBLISHED_CASE[1])}")
+    parser.add_argument("--hf-path", help="the student's Hugging Face checkpoint (folder or hub id), for recipes "
+                        "that take one (config.json is what the plan reads)")
     parser.add_argument("--gpu-memory", type=float, default=140.0, help="GPU memory in GiB (default: an H200's 140)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs of the run (default: the recipe name's <N>gpu, else TP x CP x PP)")
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe, overrides = PUBLISHED_CASE if args.published else (args.recipe, [])
     try:
-        cfg = build_config(recipe, overrides + args.overrides)
+        cfg = build_config(recipe, overrides + args.overrides, hf_path=args.hf_path)
     except (ValueError, OverridesError) as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
