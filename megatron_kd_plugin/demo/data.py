@@ -199,14 +199,16 @@ def jsonl_documents(path: pathlib.Path, text_key: str) -> list[Document]:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise CorpusError(f"{path}:{number}: not JSON ({error.msg}, column {error.colno})") from None
-                text = record.get(text_key) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise CorpusError(f"{path}:{number}: not a JSON object with a {text_key!r} string (got "
-                                      f"{type(text if isinstance(record, dict) else record).__name__}); "
+                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                    found = (f"a JSON {type(record).__name__}" if not isinstance(record, dict)
+                             else f"no {text_key!r} field" if text_key not in record
+                             else f"{text_key!r} is {type(record[text_key]).__name__}")
+                    raise CorpusError(f"{path}:{number}: not a JSON object with a {text_key!r} string ({found}); "
                                       "--text-key names the field")
+                text = record[text_key]
                 documents.append(Document(name=str(number), size=len(text.encode("utf-8")), text=text))
         except UnicodeDecodeError as error:
-            raise CorpusError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+            raise CorpusError(f"{path}: not UTF-8 text ({error.reason})") from None
     if not documents:
         raise CorpusError(f"--corpus {path}: no records (one JSON object per line, its text under {text_key!r})")
     return _hash_order(documents)
