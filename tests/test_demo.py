@@ -128,8 +128,8 @@ def test_user_corpus_folder_or_jsonl(tmp_path):
         assert [tokenizer.decode(doc[:-1].tolist()) for doc in heldout] == [d.read() for d in splits["heldout"]]
 
 
-def _bad_corpus(case: str, tmp: pathlib.Path) -> tuple[pathlib.Path, str]:
-    """A corpus the demo must refuse, and what its error line must say."""
+def _bad_corpus(case: str, tmp: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    """A corpus the demo must refuse, then what its error line must say."""
     if case == "missing":
         return tmp / "nowhere", "no such file or folder"
     if case == "plain file":
@@ -149,21 +149,26 @@ def _bad_corpus(case: str, tmp: pathlib.Path) -> tuple[pathlib.Path, str]:
         return folder, "latin1.txt: not UTF-8"
     if case == "one document":
         return _write_folder(tmp / "single", _user_texts(1)), "split is empty"
-    # too little text for the default sizes: the error says how many tokens the cache needs
-    need = PRESETS["default"].corpus_needs()["train"][0]
-    return _write_folder(tmp / "small", _user_texts(60)), f"the demo needs {need:,} ("
+    # too little text: the error says how many tokens the cache (train split) or the eval (held-out) needs; with
+    # one student step (8 cached samples) the train split holds enough, the held-out one not
+    split = "heldout" if case == "too little held-out text" else "train"
+    cfg = dataclasses.replace(PRESETS["default"], student_steps=1 if split == "heldout" else 150)
+    label = "held-out" if split == "heldout" else "train"
+    return (_write_folder(tmp / "small", _user_texts(60)),
+            f"too little text: the {label} split", f"the demo needs {cfg.corpus_needs()[split][0]:,} (")
 
 
 @pytest.mark.parametrize("case", ["missing", "plain file", "no text files", "bad json", "text not a string",
-                                  "not utf-8", "one document", "too little text"])
+                                  "not utf-8", "one document", "too little text", "too little held-out text"])
 def test_bad_corpus_is_refused_before_anything_is_touched(tmp_path, capsys, case):
-    source, expected = _bad_corpus(case, tmp_path)
+    source, *expected = _bad_corpus(case, tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous run")
-    assert main(["--corpus", str(source), "--output", str(out), "--overwrite"]) == 2
+    steps = ["--student-steps", "1"] if case == "too little held-out text" else []
+    assert main(["--corpus", str(source), "--output", str(out), "--overwrite", *steps]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("demo:")]
-    assert len(errors) == 1 and str(source) in errors[0] and expected in errors[0], errors
+    assert len(errors) == 1 and str(source) in errors[0] and all(e in errors[0] for e in expected), errors
     assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "previous run"
 
 
