@@ -313,7 +313,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
-    parser.add_argument("--corpus", help="your own text instead of the stdlib sources: a folder of "
+    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
                         + "/".join("*" + s for s in TEXT_SUFFIXES) + " files (one document each, read as UTF-8) "
                         "or a .jsonl file (one JSON object per line, its text under --text-key)")
     parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
