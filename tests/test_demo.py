@@ -1,11 +1,14 @@
-"""The end-to-end demo: its corpus, its metrics against independent references, and the miniature pipeline run
-twice (same seed -> same numbers; the second run into the same folder is refused without --overwrite)."""
+"""The end-to-end demo: its corpus (the stdlib's or the user's), its metrics against independent references, bad
+corpora refused before anything is touched, and the miniature pipeline run twice, from the checkout and from a
+non-editable installation outside it (same seed -> same numbers; a used output folder is refused)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
 
@@ -17,21 +20,27 @@ import torch.nn.functional as F
 from megatron_kd_plugin.demo import data
 from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
 from megatron_kd_plugin.demo.pipeline import PRESETS, main, prepare_output
+from tests.test_packaging import install_package, outside_repo_env
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 MINI = PRESETS["mini"]
 
 
+def _assert_split_by_name_hash(splits, cfg):
+    assert not {d.name for d in splits["train"]} & {d.name for d in splits["heldout"]}
+    assert all(data._name_hash(d.name) % cfg.heldout_every == 0 for d in splits["heldout"])
+    assert all(data._name_hash(d.name) % cfg.heldout_every != 0 for d in splits["train"])
+
+
 def test_split_is_by_whole_file_and_reproducible():
     root = data.stdlib_root()
-    files = data.stdlib_source_files(root)
-    assert files == data.stdlib_source_files(root)
-    assert all(not {"site-packages", "dist-packages"} & set(f.parts) for f in files)
-    splits = data.split_by_file(files, root, MINI.corpus)
-    assert not set(splits["train"]) & set(splits["heldout"])
-    assert all(data._path_hash(f) % MINI.corpus.heldout_every == 0 for f in splits["heldout"])
-    assert all(data._path_hash(f) % MINI.corpus.heldout_every != 0 for f in splits["train"])
-    assert sum((root / f).stat().st_size for f in splits["train"][:-1]) < MINI.corpus.train_bytes
+    docs = data.stdlib_documents(root)
+    assert docs == data.stdlib_documents(root)
+    assert all(not {"site-packages", "dist-packages"} & set(pathlib.PurePath(d.name).parts) for d in docs)
+    assert all(d.size == (root / d.name).stat().st_size for d in docs[:50])
+    splits = data.split_documents(docs, MINI.corpus)
+    _assert_split_by_name_hash(splits, MINI.corpus)
+    assert sum(d.size for d in splits["train"][:-1]) < MINI.corpus.train_bytes
 
 
 def test_corpus_files_are_deterministic_and_readable(tmp_path):
@@ -45,7 +54,7 @@ def test_corpus_files_are_deterministic_and_readable(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = IndexedDataset(str(first.heldout_prefix))
-    assert len(docs) == first.stats["heldout"]["files"]
+    assert len(docs) == first.stats["heldout"]["documents"]
     assert all(doc[-1] == first.eod_id and first.eod_id not in doc[:-1] for doc in docs)
     assert sum(len(doc) for doc in docs) == first.stats["heldout"]["tokens"]
     # windows overlap by one token and decode back to the stdlib's text
@@ -57,11 +66,110 @@ def test_corpus_files_are_deterministic_and_readable(tmp_path):
 
     tokenizer = Tokenizer.from_file(str(first.tokenizer_path))
     text = tokenizer.decode(docs[0][:-1].tolist())
-    root = data.stdlib_root()
-    heldout = data.split_by_file(data.stdlib_source_files(root), root, MINI.corpus)["heldout"]
-    assert text == data.read_sources(root, heldout[:1])[0]
+    heldout = data.split_documents(data.stdlib_documents(), MINI.corpus)["heldout"]
+    assert text == heldout[0].read()
     with pytest.raises(ValueError, match="too few"):
         data.token_windows(first.heldout_prefix, 10**7)
+
+
+_WORDS = ("the a of to and in is it that was for on are with as his they be at one have this from or had by hot "
+          "word but what some we can out other were all there when up use your how said an each she which do their "
+          "time if will way about many then them write would like so these her long make thing see him two has look "
+          "more day could go come did number sound no most people my over know water than call first who may down "
+          "side been now find").split()
+
+
+def _user_texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct documents of English words, ~2 kB each, a few with non-ASCII text."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        sentences = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                     for _ in range(40)]
+        texts.append(f"Document {i}: " + " ".join(sentences) + (" Café, naïve — 東京.\n" if i % 7 == 0 else "\n"))
+    return texts
+
+
+def _write_folder(root: pathlib.Path, texts: list[str]) -> pathlib.Path:
+    """One file per text, in two folders and three suffixes, plus a hidden folder and a non-text file to skip."""
+    for i, text in enumerate(texts):
+        path = root / ("notes" if i % 2 else "") / f"doc{i:02d}{data.TEXT_SUFFIXES[i % 3]}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    (root / ".cache").mkdir()
+    (root / ".cache" / "skipped.txt").write_text("a hidden folder is not part of the corpus")
+    (root / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return root
+
+
+def test_user_corpus_folder_or_jsonl(tmp_path):
+    texts = _user_texts(60)
+    folder = _write_folder(tmp_path / "folder", texts)
+    jsonl = tmp_path / "records.jsonl"
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(texts)]
+    jsonl.write_text("\n".join(lines[:5] + ["   "] + lines[5:]) + "\n", encoding="utf-8")   # a blank line: skipped
+    from tokenizers import Tokenizer
+
+    for source in (folder, jsonl):
+        cfg = dataclasses.replace(MINI.corpus, source=str(source))
+        docs = data.corpus_documents(cfg)
+        assert sorted(d.read() for d in docs) == sorted(texts)   # each text once; nothing hidden or non-text
+        assert all(d.size == len(d.read().encode()) for d in docs)
+        splits = data.split_documents(docs, cfg)
+        _assert_split_by_name_hash(splits, cfg)
+        corpus = data.build_corpus(tmp_path / f"built_{source.name}", cfg)
+        assert corpus.stats["source"] == str(source)
+        assert [corpus.stats[name]["documents"] for name in data.SPLITS] == [len(splits[n]) for n in data.SPLITS]
+        assert sum(len(splits[n]) for n in data.SPLITS) == len(texts)    # all of it fits the mini byte budgets
+        tokenizer = Tokenizer.from_file(str(corpus.tokenizer_path))
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        heldout = IndexedDataset(str(corpus.heldout_prefix))
+        assert [tokenizer.decode(doc[:-1].tolist()) for doc in heldout] == [d.read() for d in splits["heldout"]]
+
+
+def _bad_corpus(case: str, tmp: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    """A corpus the demo must refuse, then what its error line must say."""
+    if case == "missing":
+        return tmp / "nowhere", "no such file or folder"
+    if case == "plain file":
+        (tmp / "book.txt").write_text(_user_texts(1)[0])
+        return tmp / "book.txt", "a file must be JSONL"
+    if case == "no text files":
+        (tmp / "pictures").mkdir()
+        (tmp / "pictures" / "a.png").write_bytes(b"\x89PNG")
+        return tmp / "pictures", "no text files"
+    if case in ("bad json", "text not a string"):
+        second = '{"text": "unterminated' if case == "bad json" else '{"text": 123}'
+        (tmp / "c.jsonl").write_text('{"text": "fine"}\n' + second + "\n")
+        return tmp / "c.jsonl", ":2: not JSON" if case == "bad json" else ":2: not a JSON object with a 'text' string"
+    if case == "not utf-8":
+        folder = _write_folder(tmp / "mixed", _user_texts(60))
+        (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+        return folder, "latin1.txt: not UTF-8"
+    if case == "one document":
+        return _write_folder(tmp / "single", _user_texts(1)), "split is empty"
+    # too little text: the error says how many tokens the cache (train split) or the eval (held-out) needs; with
+    # one student step (8 cached samples) the train split holds enough, the held-out one not
+    split = "heldout" if case == "too little held-out text" else "train"
+    cfg = dataclasses.replace(PRESETS["default"], student_steps=1 if split == "heldout" else 150)
+    label = "held-out" if split == "heldout" else "train"
+    return (_write_folder(tmp / "small", _user_texts(60)),
+            f"too little text: the {label} split", f"the demo needs {cfg.corpus_needs()[split][0]:,} (")
+
+
+@pytest.mark.parametrize("case", ["missing", "plain file", "no text files", "bad json", "text not a string",
+                                  "not utf-8", "one document", "too little text", "too little held-out text"])
+def test_bad_corpus_is_refused_before_anything_is_touched(tmp_path, capsys, case):
+    source, *expected = _bad_corpus(case, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous run")
+    steps = ["--student-steps", "1"] if case == "too little held-out text" else []
+    assert main(["--corpus", str(source), "--output", str(out), "--overwrite", *steps]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("demo:")]
+    assert len(errors) == 1 and str(source) in errors[0] and all(e in errors[0] for e in expected), errors
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "previous run"
 
 
 class _FixedLogits(torch.nn.Module):
@@ -115,16 +223,20 @@ def test_refuses_a_used_output_folder(tmp_path, capsys):
     assert folder.is_dir() and not any(folder.iterdir())
 
 
-def _run_mini(folder: pathlib.Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+def _run_mini(folder: pathlib.Path, installed: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+    """The mini demo from the checkout, or with ``installed`` from that installation in a folder outside it."""
+    env, cwd = ((dict(os.environ, PYTHONPATH=str(REPO_ROOT)), REPO_ROOT) if installed is None
+                else (outside_repo_env(installed), folder.parent))
     return subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "demo", "--preset", "mini", "--output",
-                           str(folder)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(folder)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_mini_pipeline_end_to_end_twice(tmp_path):
+    """Once from the checkout, once from a non-editable installation outside it (cache step included)."""
     runs = [tmp_path / "run1", tmp_path / "run2"]
-    for folder in runs:
-        done = _run_mini(folder)
+    installed = install_package(tmp_path / "site")
+    for folder, package in zip(runs, (None, installed)):
+        done = _run_mini(folder, package)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     results = [json.loads((folder / "metrics.json").read_text()) for folder in runs]
     assert results[0]["metrics"] == results[1]["metrics"]   # same seed, same numbers, to the last bit

@@ -1,18 +1,26 @@
-"""Embedded demo corpus: the Python standard library's own source files, as a Megatron indexed dataset.
+"""The demo's corpus as Megatron indexed datasets: the Python standard library's own sources, or the user's text.
 
-Every machine that runs the demo has this text without downloading anything. The steps:
+By default every machine that runs the demo has its text without downloading anything: the running
+interpreter's stdlib ``*.py`` files. ``CorpusConfig.source`` (``--corpus``) replaces them with a folder of text
+files or a JSONL file; everything after the first step is the same. The steps:
 
-1. ``stdlib_source_files``: the ``*.py`` files under the running interpreter's stdlib folder
-   (``site-packages`` excluded), in a fixed order given by a hash of each relative path;
-2. ``split_by_file``: whole files go to train or held-out (no file is in both), the first files in
-   hash order up to a byte budget for each split;
+1. ``corpus_documents``: the documents, each with a name (a file's relative path; a JSONL record's line
+   number) and its size in bytes, in a fixed order given by a hash of the name (so any prefix of the order is
+   a spread-out sample): the stdlib's ``*.py`` files (``site-packages`` excluded), the ``TEXT_SUFFIXES`` files
+   under a folder (hidden names skipped), or the non-blank lines of a JSONL file, one ``{text_key: str}``
+   object each;
+2. ``split_documents``: whole documents go to train or held-out (one in ``heldout_every`` by name hash; none
+   is in both), each split taking documents in hash order up to its byte budget;
 3. ``train_tokenizer``: a byte-level BPE tokenizer (``tokenizers``) trained on the train split only,
    with ``<|endoftext|>`` (id 0) as the end-of-document token;
-4. ``write_indexed_dataset``: one document per file (its tokens then EOD), written with megatron-core's
-   ``IndexedDatasetBuilder`` as ``<prefix>.bin`` / ``<prefix>.idx``;
+4. ``tokenize_corpus`` tokenizes both splits in memory (one document each, EOD appended) and checks that each
+   holds the tokens the caller needs; only then ``TokenizedCorpus.save`` writes them with megatron-core's
+   ``IndexedDatasetBuilder`` as ``<prefix>.bin`` / ``<prefix>.idx`` (a corpus refused writes nothing);
 5. ``token_windows``: the concatenated token stream cut into samples of ``seq_length + 1`` tokens that
    overlap by one token (every token is a prediction target once), the layout Megatron's GPTDataset
    uses and the cache tool reads.
+
+Every refusal of the corpus is a ``CorpusError`` (a ``ValueError``) naming the path and what is wrong.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import hashlib
 import json
 import pathlib
 import sysconfig
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -30,20 +39,34 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 
 EOD_TOKEN = "<|endoftext|>"
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+"""The files a ``--corpus`` folder contributes (case-insensitive), one document each."""
+JSONL_SUFFIXES = (".jsonl", ".json")
+SPLITS = ("train", "heldout")
+_LABELS = {"train": "train", "heldout": "held-out"}
+
+
+class CorpusError(ValueError):
+    """The corpus cannot make the demo's data: a missing path, no text, undecodable text, too little text."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class CorpusConfig:
-    """What to build from the stdlib sources."""
+    """What text to build the demo's data from, and how to split and tokenize it."""
 
+    source: str | None = None
+    """A folder of text files (``TEXT_SUFFIXES``, one document each) or a JSONL file (one document per line);
+    None: the running interpreter's stdlib sources."""
+    text_key: str = "text"
+    """The field holding a JSONL record's text."""
     vocab_size: int = 4096
     """Target BPE vocabulary size (the tokenizer may end smaller on a tiny corpus)."""
     train_bytes: int = 6_000_000
-    """Byte budget of the train split (whole files, first in hash order, until the budget is reached)."""
+    """Byte budget of the train split (whole documents, first in hash order, until the budget is reached)."""
     heldout_bytes: int = 400_000
     """Byte budget of the held-out split."""
     heldout_every: int = 20
-    """One file in ``heldout_every`` (by hash of its relative path) is held out."""
+    """One document in ``heldout_every`` (by hash of its name) is held out."""
 
     def __post_init__(self):
         for name in ("vocab_size", "train_bytes", "heldout_bytes", "heldout_every"):
@@ -51,11 +74,39 @@ class CorpusConfig:
                 raise ValueError(f"CorpusConfig.{name} must be >= 2, got {getattr(self, name)}")
         if self.vocab_size > 2**31 - 1:
             raise ValueError(f"CorpusConfig.vocab_size must fit in int32, got {self.vocab_size}")
+        if not self.text_key:
+            raise ValueError("CorpusConfig.text_key must not be empty")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Document:
+    """One document of a corpus: a file (read when its split takes it) or a JSONL record (held in memory)."""
+
+    name: str
+    """A file's path relative to the corpus folder, or a JSONL record's line number: what order and split hash."""
+    size: int
+    """Bytes (of the file on disk; of a record's UTF-8 text)."""
+    path: pathlib.Path | None = None
+    """The file holding the document; None for a JSONL record."""
+    text: str | None = None
+    """A JSONL record's text; None for a file."""
+    errors: str = "strict"
+    """Decoding of a file's undecodable bytes: "strict" (a ``CorpusError``) for the user's text, "replace" for the
+    stdlib's few non-UTF-8 test files."""
+
+    def read(self) -> str:
+        if self.text is not None:
+            return self.text
+        try:
+            return self.path.read_text(encoding="utf-8", errors=self.errors)
+        except UnicodeDecodeError as error:
+            raise CorpusError(f"{self.path}: not UTF-8 text ({error.reason} at byte {error.start}); convert it "
+                              "or remove it from the corpus") from None
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class DemoCorpus:
-    """The files written by ``build_corpus``; ``DemoCorpus.load(folder)`` reads them back."""
+    """The files written by ``TokenizedCorpus.save``; ``DemoCorpus.load(folder)`` reads them back."""
 
     folder: pathlib.Path
     """Folder holding everything below."""
@@ -70,7 +121,7 @@ class DemoCorpus:
     eod_id: int
     """Id of the end-of-document token."""
     stats: dict
-    """Files, bytes and tokens per split, and the stdlib folder they came from."""
+    """Where the text came from, and documents, bytes and tokens per split."""
 
     MANIFEST = "corpus.json"
 
@@ -99,45 +150,108 @@ def stdlib_root() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
-def _path_hash(relative: pathlib.PurePath) -> int:
-    return int.from_bytes(hashlib.sha256(relative.as_posix().encode()).digest()[:8], "little")
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
-def stdlib_source_files(root: pathlib.Path | None = None) -> list[pathlib.Path]:
-    """Relative paths of the stdlib's ``*.py`` files (no ``site-packages``), ordered by a hash of the path.
+def _hash_order(documents: list[Document]) -> list[Document]:
+    """By a hash of the name only: the same order on every machine that has the same documents."""
+    return sorted(documents, key=lambda d: (_name_hash(d.name), d.name))
 
-    The order depends only on the relative paths, so it is the same on every machine with the same
-    Python version, and any prefix of it is a spread-out sample of the library.
-    """
+
+def stdlib_documents(root: pathlib.Path | None = None) -> list[Document]:
+    """The stdlib's ``*.py`` files (no ``site-packages``), in hash order (the same for one Python version)."""
     root = root or stdlib_root()
-    files = [p.relative_to(root) for p in root.rglob("*.py")
+    files = [p for p in root.rglob("*.py")
              if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts) and p.is_file()]
     if not files:
-        raise ValueError(f"no *.py files under the stdlib folder {root}")
-    return sorted(files, key=lambda p: (_path_hash(p), p.as_posix()))
+        raise CorpusError(f"no *.py files under the stdlib folder {root}")
+    return _hash_order([Document(name=p.relative_to(root).as_posix(), size=p.stat().st_size, path=p,
+                                 errors="replace") for p in files])
 
 
-def split_by_file(files: list[pathlib.Path], root: pathlib.Path, cfg: CorpusConfig) -> dict[str, list[pathlib.Path]]:
-    """Assigns whole files to "train" / "heldout" by path hash; each split takes files until its byte budget."""
-    splits: dict[str, list[pathlib.Path]] = {"train": [], "heldout": []}
+def folder_documents(folder: pathlib.Path) -> list[Document]:
+    """The ``TEXT_SUFFIXES`` files under ``folder`` (recursively, hidden names skipped), in hash order."""
+    files, others = [], 0
+    for p in folder.rglob("*"):
+        if any(part.startswith(".") for part in p.relative_to(folder).parts) or not p.is_file():
+            continue
+        if p.suffix.lower() in TEXT_SUFFIXES:
+            files.append(p)
+        else:
+            others += 1
+    if not files:
+        raise CorpusError(f"--corpus {folder}: no text files under it (looked for "
+                          f"{', '.join('*' + s for s in TEXT_SUFFIXES)}; found {others} other files)")
+    return _hash_order([Document(name=p.relative_to(folder).as_posix(), size=p.stat().st_size, path=p)
+                        for p in files])
+
+
+def jsonl_documents(path: pathlib.Path, text_key: str) -> list[Document]:
+    """One document per non-blank line of ``path``, each a JSON object with a string under ``text_key``."""
+    documents = []
+    with path.open(encoding="utf-8") as lines:
+        try:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise CorpusError(f"{path}:{number}: not JSON ({error.msg}, column {error.colno})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                    found = (f"a JSON {type(record).__name__}" if not isinstance(record, dict)
+                             else f"no {text_key!r} field" if text_key not in record
+                             else f"{text_key!r} is {type(record[text_key]).__name__}")
+                    raise CorpusError(f"{path}:{number}: not a JSON object with a {text_key!r} string ({found}); "
+                                      "--text-key names the field")
+                text = record[text_key]
+                documents.append(Document(name=str(number), size=len(text.encode("utf-8")), text=text))
+        except UnicodeDecodeError as error:
+            raise CorpusError(f"{path}: not UTF-8 text ({error.reason})") from None
+    if not documents:
+        raise CorpusError(f"--corpus {path}: no records (one JSON object per line, its text under {text_key!r})")
+    return _hash_order(documents)
+
+
+def corpus_documents(cfg: CorpusConfig) -> list[Document]:
+    """The documents of ``cfg.source`` (the stdlib when None), in hash order; a ``CorpusError`` if there are none."""
+    if cfg.source is None:
+        return stdlib_documents()
+    path = pathlib.Path(cfg.source)
+    if path.is_dir():
+        return folder_documents(path)
+    if path.is_file() and path.suffix.lower() in JSONL_SUFFIXES:
+        return jsonl_documents(path, cfg.text_key)
+    if path.is_file():
+        raise CorpusError(f"--corpus {path}: a file must be JSONL ({', '.join(JSONL_SUFFIXES)}: one "
+                          f"{{{cfg.text_key!r}: ...}} object per line); put plain text into a folder of "
+                          f"{', '.join(TEXT_SUFFIXES)} files, several of them (splits are by whole file)")
+    raise CorpusError(f"--corpus {path}: no such file or folder")
+
+
+def split_documents(documents: list[Document], cfg: CorpusConfig) -> dict[str, list[Document]]:
+    """Whole documents to "train" / "heldout" by name hash; each split takes documents until its byte budget."""
+    splits: dict[str, list[Document]] = {name: [] for name in SPLITS}
     budget = {"train": cfg.train_bytes, "heldout": cfg.heldout_bytes}
-    used = {"train": 0, "heldout": 0}
-    for rel in files:
-        name = "heldout" if _path_hash(rel) % cfg.heldout_every == 0 else "train"
+    used = dict.fromkeys(SPLITS, 0)
+    for doc in documents:
+        name = "heldout" if _name_hash(doc.name) % cfg.heldout_every == 0 else "train"
         if used[name] < budget[name]:
-            splits[name].append(rel)
-            used[name] += (root / rel).stat().st_size
+            splits[name].append(doc)
+            used[name] += doc.size
         if all(used[k] >= budget[k] for k in used):
             break
     for name, chosen in splits.items():
         if not chosen:
-            raise ValueError(f"the {name} split is empty: raise its byte budget or lower heldout_every={cfg.heldout_every}")
+            raise CorpusError(f"{_source_name(cfg)}: the {_LABELS[name]} split is empty: its {len(documents)} "
+                              f"documents, one in {cfg.heldout_every} of them held out (by a hash of the name), gave "
+                              "it none; give the corpus more, smaller documents")
     return splits
 
 
-def read_sources(root: pathlib.Path, files: list[pathlib.Path]) -> list[str]:
-    """The files' text (UTF-8; undecodable bytes replaced)."""
-    return [(root / rel).read_text(encoding="utf-8", errors="replace") for rel in files]
+def _source_name(cfg: CorpusConfig) -> str:
+    return f"--corpus {cfg.source}" if cfg.source is not None else f"the stdlib sources ({stdlib_root()})"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -151,47 +265,85 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def write_indexed_dataset(prefix: pathlib.Path, tokenizer: Tokenizer, texts: list[str], eod_id: int,
-                          desc: str) -> int:
-    """Tokenizes ``texts`` (one document each, EOD appended) into ``prefix.bin/.idx``; returns the token count."""
+def tokenize_documents(tokenizer: Tokenizer, texts: list[str], eod_id: int, desc: str) -> list[np.ndarray]:
+    """Each text's token ids with EOD appended (uint16 below 2^16 ids, else int32)."""
     dtype = np.uint16 if tokenizer.get_vocab_size() < 2**16 else np.int32
-    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=dtype)
-    total = 0
     batch = 64
-    with tqdm(total=len(texts), desc=desc, unit="file") as bar:
+    documents = []
+    with tqdm(total=len(texts), desc=desc, unit="doc") as bar:
         for start in range(0, len(texts), batch):
-            for enc in tokenizer.encode_batch(texts[start:start + batch]):
-                ids = np.asarray(enc.ids + [eod_id], dtype=dtype)
-                builder.add_document(ids, [len(ids)])
-                total += len(ids)
+            documents += [np.asarray(enc.ids + [eod_id], dtype=dtype)
+                          for enc in tokenizer.encode_batch(texts[start:start + batch])]
             bar.update(len(texts[start:start + batch]))
+    return documents
+
+
+def write_indexed_dataset(prefix: pathlib.Path, documents: list[np.ndarray]) -> None:
+    """``documents`` (one token array each) as megatron-core's ``prefix.bin/.idx``."""
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=documents[0].dtype.type)
+    for ids in documents:
+        builder.add_document(ids, [len(ids)])
     builder.finalize(get_idx_path(str(prefix)))
-    return total
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TokenizedCorpus:
+    """A corpus tokenized in memory, checked, not yet written (``save`` writes it)."""
+
+    tokenizer: Tokenizer
+    """The BPE tokenizer trained on the train split."""
+    documents: dict[str, list[np.ndarray]]
+    """Split name -> one token array per document (EOD last)."""
+    stats: dict
+    """Where the text came from, and documents, bytes and tokens per split."""
+
+    def save(self, folder: str | pathlib.Path) -> DemoCorpus:
+        """Writes tokenizer.json, train.bin/.idx, heldout.bin/.idx and corpus.json into ``folder``."""
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer_path = folder / "tokenizer.json"
+        self.tokenizer.save(str(tokenizer_path))
+        for name in SPLITS:
+            write_indexed_dataset(folder / name, self.documents[name])
+        corpus = DemoCorpus(folder=folder, tokenizer_path=tokenizer_path, train_prefix=folder / "train",
+                            heldout_prefix=folder / "heldout", vocab_size=self.tokenizer.get_vocab_size(),
+                            eod_id=self.tokenizer.token_to_id(EOD_TOKEN), stats=self.stats)
+        corpus.save_manifest()
+        return corpus
+
+
+def tokenize_corpus(cfg: CorpusConfig, needs: Mapping[str, tuple[int, str]] | None = None) -> TokenizedCorpus:
+    """Documents, splits, tokenizer and tokens of ``cfg``'s corpus, in memory.
+
+    ``needs`` maps a split name to (the tokens it must hold, why): a split with fewer is a ``CorpusError`` that
+    says how much text would do, raised before anything is written.
+    """
+    splits = split_documents(corpus_documents(cfg), cfg)
+    texts = {name: [doc.read() for doc in docs] for name, docs in splits.items()}
+    tokenizer = train_tokenizer(texts["train"], cfg.vocab_size)
+    eod_id = tokenizer.token_to_id(EOD_TOKEN)
+    documents = {name: tokenize_documents(tokenizer, texts[name], eod_id, desc=f"tokenize {name}") for name in SPLITS}
+    stats: dict = {"source": cfg.source if cfg.source is not None else f"stdlib:{stdlib_root()}"}
+    for name in SPLITS:
+        stats[name] = dict(documents=len(texts[name]), bytes=sum(len(t.encode("utf-8")) for t in texts[name]),
+                           tokens=sum(len(ids) for ids in documents[name]))
+    for name, (tokens, why) in (needs or {}).items():
+        have = stats[name]
+        if have["tokens"] < tokens:
+            per_token = have["bytes"] / have["tokens"]
+            budget = cfg.train_bytes if name == "train" else cfg.heldout_bytes
+            raise CorpusError(
+                f"{_source_name(cfg)}: too little text: the {_LABELS[name]} split ({have['documents']:,} documents, "
+                f"{have['bytes']:,} bytes; budget {budget:,}) holds {have['tokens']:,} tokens, the demo needs "
+                f"{tokens:,} ({why}): about {int(tokens * per_token):,} bytes of such text in that split "
+                f"({per_token:.2f} bytes/token here)")
+    return TokenizedCorpus(tokenizer=tokenizer, documents=documents, stats=stats)
 
 
 def build_corpus(folder: str | pathlib.Path, cfg: CorpusConfig = CorpusConfig(),
-                 root: pathlib.Path | None = None) -> DemoCorpus:
-    """Writes tokenizer.json, train.bin/.idx, heldout.bin/.idx and corpus.json into ``folder``."""
-    folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    root = root or stdlib_root()
-    splits = {name: read_sources(root, files)
-              for name, files in split_by_file(stdlib_source_files(root), root, cfg).items()}
-    tokenizer = train_tokenizer(splits["train"], cfg.vocab_size)
-    tokenizer_path = folder / "tokenizer.json"
-    tokenizer.save(str(tokenizer_path))
-    eod_id = tokenizer.token_to_id(EOD_TOKEN)
-    stats = {"stdlib": str(root)}
-    prefixes = {}
-    for name, texts in splits.items():
-        prefixes[name] = folder / name
-        tokens = write_indexed_dataset(prefixes[name], tokenizer, texts, eod_id, desc=f"tokenize {name}")
-        stats[name] = dict(files=len(texts), bytes=sum(len(t.encode("utf-8")) for t in texts), tokens=tokens)
-    corpus = DemoCorpus(folder=folder, tokenizer_path=tokenizer_path, train_prefix=prefixes["train"],
-                        heldout_prefix=prefixes["heldout"], vocab_size=tokenizer.get_vocab_size(), eod_id=eod_id,
-                        stats=stats)
-    corpus.save_manifest()
-    return corpus
+                 needs: Mapping[str, tuple[int, str]] | None = None) -> DemoCorpus:
+    """``tokenize_corpus`` then ``save``: tokenizer.json, train/heldout .bin/.idx and corpus.json in ``folder``."""
+    return tokenize_corpus(cfg, needs).save(folder)
 
 
 def token_windows(prefix: str | pathlib.Path, seq_length: int, max_samples: int | None = None) -> torch.Tensor:

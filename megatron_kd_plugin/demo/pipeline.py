@@ -1,15 +1,17 @@
 """The main job: distil a small GPT teacher into a smaller student through the offline top-K cache, end to end.
 
     python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite]
+                                      [--corpus FOLDER_OR_JSONL [--text-key text]]
 
 Stages (all on CPU; everything lands under one output folder):
 
-1. data      the running interpreter's stdlib sources, split by file; a BPE tokenizer trained on the train
-             split; Megatron indexed datasets (``data/``, see ``megatron_kd_plugin.demo.data``);
+1. data      the running interpreter's stdlib sources, or with ``--corpus`` a folder of text files (one document
+             each) or a JSONL file (one document per line), split by whole document; a BPE tokenizer trained on
+             the train split; Megatron indexed datasets (``data/``, see ``megatron_kd_plugin.demo.data``);
 2. teacher   a megatron-core GPTModel (``megatron_kd_plugin.gpt``) trained with cross entropy in this process
              (TP=1), saved with ``save_gpt`` (``teacher/``);
-3. cache     its top-K (default 100) over the student's training samples, by ``tools/cache_teacher_logits.py``
-             under ``torchrun --nproc_per_node 2`` at TP=2 (``cache.zarr``);
+3. cache     its top-K (default 100) over the student's training samples, by the cache command
+             (``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache``) at TP=2 (``cache.zarr``);
 4. students  two students of the same architecture, steps, batches, learning-rate schedule and seed, both
              trained by the Megatron-Bridge CPU path (the tiny KD recipe + ``train_on_cpu`` + the fused loss):
              ``kd`` on the cache (forward KL, ghost tail, mixed with hard labels at ``kd_alpha``) and
@@ -17,7 +19,9 @@ Stages (all on CPU; everything lands under one output folder):
 5. eval      held-out perplexity, KL(teacher ‖ model) over the full vocabulary and ECE, dense, for the teacher
              and both students (``metrics.json``, ``results.md``), loss curves (``loss_curves.png``).
 
-The folder must not exist (or be empty) unless ``--overwrite`` is given. The same seed gives the same numbers.
+The folder must not exist (or be empty) unless ``--overwrite`` is given; a corpus that cannot make the data
+(missing, no text, too little for the sizes) is refused before the folder is touched. The same seed gives the
+same numbers on the same machine and package set.
 """
 
 from __future__ import annotations
@@ -34,10 +38,9 @@ import time
 
 import torch
 
-from megatron_kd_plugin.demo.data import CorpusConfig, DemoCorpus, build_corpus, padded_vocab_size, token_windows
+from megatron_kd_plugin.demo.data import (TEXT_SUFFIXES, CorpusConfig, CorpusError, DemoCorpus, padded_vocab_size,
+                                         token_windows, tokenize_corpus)
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-CACHE_TOOL = REPO_ROOT / "tools" / "cache_teacher_logits.py"
 STUDENT_RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 
 
@@ -62,7 +65,7 @@ class DemoConfig:
     seed: int = 1234
     """Seed of every random choice (initialisation, batch order)."""
     corpus: CorpusConfig = CorpusConfig()
-    """The embedded stdlib corpus and its tokenizer."""
+    """The text (the stdlib sources unless ``corpus.source``), its splits and its tokenizer."""
     seq_length: int = 256
     """Tokens per sample, for the teacher, the cache and the students."""
     teacher: ModelSize = ModelSize(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024)
@@ -102,6 +105,17 @@ class DemoConfig:
         """Samples the students consume: one epoch of cached samples, nothing cached in vain."""
         return self.student_steps * self.micro_batch_size
 
+    def corpus_needs(self) -> dict[str, tuple[int, str]]:
+        """Tokens each split must hold, and why: the cache reads ``cache_samples`` windows of the train split,
+        the eval ``eval_samples`` windows of the held-out one (windows overlap by one token)."""
+        return {"train": (self.cache_samples * self.seq_length + 1,
+                          f"{self.cache_samples:,} cached samples = {self.student_steps} student steps x "
+                          f"{self.micro_batch_size} per batch, of {self.seq_length} tokens, + 1; or lower "
+                          "--student-steps"),
+                "heldout": (self.eval_samples * self.seq_length + 1,
+                            f"{self.eval_samples} eval samples of {self.seq_length} tokens + 1; the held-out "
+                            f"split takes one document in {self.corpus.heldout_every}")}
+
 
 PRESETS = {
     "default": DemoConfig(),
@@ -124,12 +138,21 @@ PRESETS = {
 }
 
 
+def _output_in_use(folder: pathlib.Path) -> bool:
+    return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
+
+
+def check_output(folder: pathlib.Path, overwrite: bool) -> None:
+    """FileExistsError if ``folder`` holds anything and ``overwrite`` is off; touches nothing."""
+    if _output_in_use(folder) and not overwrite:
+        raise FileExistsError(f"output folder {folder} already exists and is not empty: pass --overwrite to "
+                              "replace it, or choose another --output")
+
+
 def prepare_output(folder: pathlib.Path, overwrite: bool) -> None:
     """Creates ``folder``; an existing non-empty one is an error unless ``overwrite`` (then it is emptied)."""
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        if not overwrite:
-            raise FileExistsError(f"output folder {folder} already exists and is not empty: pass --overwrite to "
-                                  "replace it, or choose another --output")
+    check_output(folder, overwrite)
+    if _output_in_use(folder):
         shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -157,19 +180,20 @@ def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
 
 def cache_teacher(cfg: DemoConfig, corpus: DemoCorpus, teacher: pathlib.Path, store: pathlib.Path, *,
                   sample: int | None = None, proposal_temperature: float = 1.0) -> None:
-    """Runs the cache tool under torchrun at TP = ``cfg.cache_tp`` on the first ``cfg.cache_samples`` samples:
+    """Runs the cache command (``python -m megatron_kd_plugin cache`` through torchrun's ``-m``: the package as this
+    environment imports it, installed or not) at TP = ``cfg.cache_tp`` on the first ``cfg.cache_samples`` samples:
     the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn per token from the teacher at
     ``proposal_temperature`` (a sampled store)."""
     mode = (["--topk", str(cfg.topk)] if sample is None
             else ["--sample", str(sample), "--proposal-temperature", str(proposal_temperature)])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
-               str(CACHE_TOOL), "--teacher", str(teacher), "--data", str(corpus.train_prefix),
+               "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
                "--tokenizer", str(corpus.tokenizer_path), "--output", str(store),
                "--seq-length", str(cfg.seq_length), *mode, "--tp", str(cfg.cache_tp),
                "--num-samples", str(cfg.cache_samples), "--micro-batch-size", str(cfg.micro_batch_size)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // cfg.cache_tp)))
     print("[demo] " + " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True, env=env, cwd=REPO_ROOT)
+    subprocess.run(command, check=True, env=env)
 
 
 def student_overrides(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *,
@@ -191,11 +215,8 @@ def student_overrides(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run
 
 def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *, alpha: float):
     """One student through the recipe + CPU loop (this process, TP=1); returns (model, history)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))   # the top-level ``recipes`` package lives beside this package
-    from megatron_kd_plugin.bridge.train_cli import build_config  # noqa: E402  (recipe + overrides, exactly as the launcher does)
-
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.train_cli import build_config   # recipe + overrides, exactly as the train command
 
     config = build_config(STUDENT_RECIPE, student_overrides(cfg, store, vocab_size, run_dir, alpha=alpha))
     models, history = train_on_cpu(config)
@@ -237,8 +258,12 @@ def results_table(metrics: dict[str, dict[str, float]], seconds: dict[str, float
     return "\n".join(lines)
 
 
-def run_demo(cfg: DemoConfig, output: pathlib.Path) -> dict:
-    """All stages into ``output`` (which must be prepared); returns {"metrics": ..., "seconds": ...}."""
+def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
+    """All stages into ``output``; returns {"metrics": ..., "seconds": ...}.
+
+    ``output`` is refused (FileExistsError) if it holds anything and ``overwrite`` is off, and the corpus
+    (CorpusError) if it cannot make the data; both before ``output`` is touched.
+    """
     from megatron_kd_plugin.demo.metrics import evaluate
     from megatron_kd_plugin.demo.train import single_process_megatron
 
@@ -251,8 +276,11 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path) -> dict:
         seconds[name] = time.perf_counter() - start
         return value
 
+    check_output(output, overwrite)
+    tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
+    prepare_output(output, overwrite)
     (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
-    corpus = stage("data", build_corpus, output / "data", cfg.corpus)
+    corpus = tokenized.save(output / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     store = output / "cache.zarr"
     with single_process_megatron(cfg.seed):
@@ -285,6 +313,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
+    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
+                        + "/".join("*" + s for s in TEXT_SUFFIXES) + " files (one document each, read as UTF-8) "
+                        "or a .jsonl file (one JSON object per line, its text under --text-key)")
+    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--student-steps", type=int, help="override the preset's student steps")
@@ -295,13 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
                                                ("student_steps", args.student_steps)) if value is not None}
-    cfg = dataclasses.replace(PRESETS[args.preset], **changes)
+    preset = PRESETS[args.preset]
     try:
-        prepare_output(args.output, args.overwrite)
-    except FileExistsError as error:
-        print(f"demo: {error}", file=sys.stderr)
+        corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key)
+        cfg = dataclasses.replace(preset, corpus=corpus, **changes)
+    except ValueError as error:
+        print(f"demo: error: {error}", file=sys.stderr)
         return 2
-    result = run_demo(cfg, args.output)
+    try:
+        result = run_demo(cfg, args.output, overwrite=args.overwrite)
+    except (FileExistsError, CorpusError) as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2
     print("\n" + results_table(result["metrics"], result["seconds"]))
     print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, loss_curves.png)")
     return 0

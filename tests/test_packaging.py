@@ -1,0 +1,82 @@
+"""The package as pip installs it, without the repository: from a working directory outside the checkout, with
+only the installed copy on PYTHONPATH, its command runs and every module imports (nothing reaches for the
+repository's ``tools/`` or root). ``tests/test_demo.py`` runs the miniature demo from such an installation."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+from megatron_kd_plugin.demo.pipeline import PRESETS
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def install_package(target: pathlib.Path) -> pathlib.Path:
+    """Installs the checkout's package non-editable into ``target`` (offline, from a copy of the files the build
+    reads, so the checkout gains no build/ or egg-info); returns ``target``."""
+    source = target.parent / f"{target.name}-source"
+    for name in ("pyproject.toml", "README.md"):
+        source.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, source / name)
+    for package in ("megatron_kd_plugin", "recipes"):
+        shutil.copytree(REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(source)], check=True, capture_output=True,
+                   timeout=120)
+    return target
+
+
+def outside_repo_env(installed: pathlib.Path) -> dict[str, str]:
+    """The environment of a process that sees the installed copy and the venv, not the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return dict(env, PYTHONPATH=str(installed))
+
+
+IMPORT_EVERYTHING = textwrap.dedent("""
+    import importlib, json, pathlib, pkgutil, sys
+    import megatron_kd_plugin, recipes
+    modules = []
+    for package in (megatron_kd_plugin, recipes):
+        modules.append(package)
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            modules.append(importlib.import_module(info.name))
+    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.demo import pipeline
+    cfg = pipeline.PRESETS["mini"]
+    config = build_config(pipeline.STUDENT_RECIPE, pipeline.student_overrides(
+        cfg, pathlib.Path("cache.zarr"), 512, pathlib.Path("run"), alpha=cfg.kd_alpha))
+    print(json.dumps({"files": [m.__file__ for m in modules], "sys_path": [str(pathlib.Path(p).resolve()) for p in sys.path],
+                      "num_layers": config.model.num_layers, "alpha": config.kd.alpha,
+                      "cache_path": str(config.dataset.cache_path)}))
+""")
+
+
+def test_installed_package_runs_without_the_repository(tmp_path):
+    installed = install_package(tmp_path / "site")
+    assert sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")) == [
+        "megatron_kd_plugin", "recipes"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = outside_repo_env(installed)
+
+    usage = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "--help"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0, usage.stderr
+    assert all(command in usage.stdout for command in ("demo", "cache", "train", "inspect"))
+
+    done = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report["files"]) > 20
+    assert all(pathlib.Path(f).is_relative_to(installed) for f in report["files"]), report["files"]
+    assert not any(pathlib.Path(p).is_relative_to(REPO_ROOT) for p in report["sys_path"]), report["sys_path"]
+    mini = PRESETS["mini"]   # the recipe resolved, with the demo's overrides applied
+    assert (report["num_layers"], report["alpha"], report["cache_path"]) == (
+        mini.student.num_layers, mini.kd_alpha, "cache.zarr")
