@@ -2,6 +2,8 @@
 
 import errno
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -157,13 +159,152 @@ def test_other_settings_at_the_path_are_refused_unless_overwrite(tmp_path):
     with pytest.raises(ValueError, match=r"k: requested 5, on disk 6"):
         write(tmp_path / "c", k=5)
     assert json.loads((tmp_path / "c" / "zarr.json").read_text()) == before
-    (tmp_path / "junk").mkdir()
-    with pytest.raises(ValueError, match="unreadable"):
-        write(tmp_path / "junk")
     write(tmp_path / "c", k=5, overwrite=True)
     assert TopKCacheReader(tmp_path / "c").spec.k == 5
     again = write(tmp_path / "c", k=5)                       # same settings, complete: nothing to do
     assert again.shards_written == 0 and again.shards_skipped == 3
+
+
+def test_overwrite_replaces_only_a_store_of_this_tool_and_never_a_users_file(tmp_path):
+    folder = tmp_path / "d"                                       # a user's folder with a file in it
+    folder.mkdir()
+    (folder / "precious.txt").write_text("mine")
+    plain = tmp_path / "notes.txt"                                # a regular file
+    plain.write_text("mine too")
+    write(tmp_path / "c")
+    (tmp_path / "c" / fmt.IDS / "readme.txt").write_text("a user's note inside a store")
+    for path, named in ((folder, "precious.txt"), (plain, "not a folder"), (tmp_path / "c", "readme.txt")):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=f"not a cache store written by this tool.*{named}"):
+                write(path, k=5, overwrite=overwrite)
+    assert (folder / "precious.txt").read_text() == "mine" and plain.read_text() == "mine too"
+    assert (tmp_path / "c" / fmt.IDS / "readme.txt").exists() and TopKCacheReader(tmp_path / "c").spec.k == K
+    (tmp_path / "c" / fmt.IDS / "readme.txt").unlink()
+    (tmp_path / "c" / "zarr.json").write_bytes((tmp_path / "c" / "zarr.json").read_bytes()[:50])   # damaged
+    with pytest.raises(ValueError, match="unreadable.*not valid JSON"):
+        write(tmp_path / "c")
+    write(tmp_path / "c", overwrite=True)                         # a damaged store of this tool is replaced
+    (tmp_path / "empty").mkdir()                                  # an empty folder is used
+    write(tmp_path / "empty")
+    assert TopKCacheReader(tmp_path / "c").spec.k == TopKCacheReader(tmp_path / "empty").spec.k == K
+
+
+def _shard_index(path):
+    """(index [P, 2] uint64 (offset, nbytes) per chunk, index start) of a one-dimensional-chunked shard file."""
+    data = path.read_bytes()
+    start = len(data) - 16 * 4 - 4                                 # 4 samples per shard, then the CRC32C
+    return np.frombuffer(data[start:start + 64], dtype="<u8").reshape(4, 2).copy(), start
+
+
+def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys):
+    """Each damage the issue found reading back silently: an index entry pointed at another chunk's bytes, one
+    flipped bit in a token chunk, a deleted shard file; the fast reader and ``inspect --verify`` raise, plain zarr
+    raises on the checksums and fills the missing shard with values no store holds."""
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "pristine")
+    assert inspect_main([str(tmp_path / "pristine"), "--verify"]) == 0
+    assert f"every checksum of the {N} written samples matches" in capsys.readouterr().out
+    good = TopKCacheReader(tmp_path / "pristine")
+    expected = [good[i] for i in range(N)]
+
+    def damaged(name, damage):
+        shutil.copytree(tmp_path / "pristine", tmp_path / name)
+        damage(tmp_path / name)
+        return TopKCacheReader(tmp_path / name)
+
+    def repoint(store):                                           # chunk 1 -> chunk 2's bytes, CRC left as it was
+        shard = store / fmt.IDS / "c" / "0" / "0" / "0"
+        index, start = _shard_index(shard)
+        index[1] = index[2]
+        data = bytearray(shard.read_bytes())
+        data[start:start + 64] = index.tobytes()
+        shard.write_bytes(bytes(data))
+
+    def flip(store):                                              # one bit in the middle of sample 1's tokens
+        shard = store / fmt.TOKENS / "c" / "0" / "0"
+        offset, nbytes = _shard_index(shard)[0][1]
+        data = bytearray(shard.read_bytes())
+        data[int(offset + nbytes // 2)] ^= 0x10
+        shard.write_bytes(bytes(data))
+
+    cases = [("repointed", repoint, 1, fmt.IDS, "shard index.*CRC32C"),
+             ("flipped", flip, 1, fmt.TOKENS, r"chunk \(1, 0\).*CRC32C"),
+             ("deleted", lambda store: (store / fmt.LOGPROBS / "c" / "1" / "0" / "0").unlink(), 5, fmt.LOGPROBS,
+              "is missing")]
+    for name, damage, sample, array, message in cases:
+        reader = damaged(name, damage)
+        with pytest.raises(ValueError, match=message):
+            reader[sample]
+        with pytest.raises(ValueError, match=message):
+            reader.window(sample * 2 + 1, S // 2)
+        assert inspect_main([str(tmp_path / name), "--verify"]) == 2
+        assert re.search(message, capsys.readouterr().out)
+        group = zarr.open_group(tmp_path / name, mode="r")
+        if name != "deleted":                                     # zarr's own read checks the same CRC32Cs ...
+            with pytest.raises(ValueError, match="checksum"):
+                group[array][sample]
+        else:                                                     # ... and fills a missing shard: -1 ids, NaN
+            assert np.isnan(group[array][sample]).all()
+        untouched = next(i for i in range(N) if i // 4 != sample // 4)
+        for key, value in reader[untouched].items():              # the rest of the store still reads
+            assert torch.equal(value, expected[untouched][key]), (name, key)
+
+
+@pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2), ("samples_per_shard", 2)])
+def test_attributes_edited_against_the_arrays_are_refused(tmp_path, field, factor):
+    write(tmp_path / "c")
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    edited = int(group.attrs[field] * factor)
+    group.attrs[field] = edited
+    with pytest.raises(ValueError, match=f"attributes \\(.*{field}={edited}.*\\) do not match the array"):
+        TopKCacheReader(tmp_path / "c")
+
+
+def test_damaged_metadata_give_a_clear_error(tmp_path, capsys):
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    for file in (tmp_path / "c" / "zarr.json", tmp_path / "c" / fmt.LOGPROBS / "zarr.json"):
+        original = file.read_bytes()
+        file.write_bytes(original[:len(original) // 2])           # truncated
+        with pytest.raises(ValueError, match=f"{file} is damaged \\(not valid JSON"):
+            TopKCacheReader(tmp_path / "c")
+        assert inspect_main([str(tmp_path / "c")]) == 2 and f"{file} is damaged" in capsys.readouterr().out
+        file.write_bytes(original)
+    TopKCacheReader(tmp_path / "c")
+
+
+def test_version_1_stores_are_refused_with_a_rewrite_hint(tmp_path):
+    write(tmp_path / "c")
+    zarr.open_group(tmp_path / "c", mode="r+").attrs["version"] = 1
+    with pytest.raises(ValueError, match="version 1 .*no chunk checksums.*--overwrite"):
+        TopKCacheReader(tmp_path / "c")
+    write(tmp_path / "c", overwrite=True)                         # rewritten in the current version
+    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
+
+
+def test_a_second_writer_is_refused_while_a_process_of_the_first_holds_the_lock(tmp_path):
+    import subprocess
+    import sys
+
+    write(tmp_path / "c")
+    zarr.open_group(tmp_path / "c", mode="r+")[fmt.SHARD_DONE][1] = 0      # unfinished: a resume would write
+    lock = tmp_path / "c" / ".writer.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'r+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+                               str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = _tree(tmp_path / "c")
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=f"another run is writing {tmp_path / 'c'}"):
+                write(tmp_path / "c", overwrite=overwrite)
+        assert _tree(tmp_path / "c") == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert write(tmp_path / "c").shards_written == 1              # the holder gone, the run resumes
 
 
 def _tree(path):
@@ -177,6 +318,8 @@ def test_resume_redoes_unmarked_shards_bit_identically(tmp_path):
     group[fmt.SHARD_DONE][1] = 0                                  # as if killed before marking shard 1
     group[fmt.IDS][4:8] = 0                                       # ... with its data half written
     group.attrs.update(complete=False)
+    for partial in (f"{fmt.IDS}/c/1/0/0", "zarr", f"{fmt.SHARD_DONE}/c/1"):   # and between write and rename
+        (tmp_path / "part" / f"{partial}.{'0123456789abcdef' * 2}.partial").write_bytes(b"half a chunk")
     with pytest.raises(ValueError, match=r"samples \[4, 8\) of 11 are not written"):
         TopKCacheReader(tmp_path / "part")
     stats = write(tmp_path / "part")
