@@ -346,6 +346,26 @@ def test_full_disk_leaves_an_incomplete_store_and_says_so(tmp_path, monkeypatch)
         TopKCacheReader(tmp_path / "c")
 
 
+def test_a_store_that_cannot_be_created_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("a regular file")
+    output = tmp_path / "file" / "c.zarr"                         # under a path that cannot be a folder
+    with pytest.raises(OSError, match=f"cannot create the store {output}: .*check that {output.parent} is a folder") \
+            as raised:
+        write(output)
+    assert ".creating" not in str(raised.value)
+    real = fmt._create_arrays
+
+    def disk_fills(group, spec):
+        real(group, spec)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt, "_create_arrays", disk_fills)
+    with pytest.raises(OSError, match=f"cannot create the store {tmp_path / 'c'}: No space left on device; free "
+                                      "space .* and rerun the same command"):
+        write(tmp_path / "c")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "file"]      # no store, no staging folder left
+
+
 def test_jsonl_source_with_a_tokenizers_file(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -367,6 +387,9 @@ def test_jsonl_source_with_a_tokenizers_file(tmp_path):
     assert reader[2]["tokens"].tolist() == expected[16:25]
     with pytest.raises(ValueError, match="tokenizer"):
         write(tmp_path / "d", source, table_teacher(vocab - 1)[1], vocab_size=vocab - 1, k=4)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": texts[0]}) + "\n" + json.dumps({"text": 123}) + "\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'bad.jsonl'}:2: 'text' holds int 123, expected a string"):
+        jsonl_windows(str(tmp_path / "bad.jsonl"), str(tmp_path / "tokenizer.json"), 8)
 
 
 def test_spec_rejects_bad_values():

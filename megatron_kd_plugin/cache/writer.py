@@ -226,9 +226,14 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
     group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
 
 
-def _hold_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
-    """Rank 0 turns its exclusive lock into a shared one (atomically); every other rank takes a shared one."""
-    return (lock or WriterLock(output)).shared()
+def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
+    """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in)."""
+    return prepare_store(output, spec, overwrite).shared()
+
+
+def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
+    """Rank 0's shared lock; every other rank takes its own (after rank 0's turned shared)."""
+    return lock if lock is not None else WriterLock(output).shared()
 
 
 def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, logits_fn: LogitsFn, *,
@@ -289,8 +294,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
                          proposal_temperature=proposal_temperature, sample_seed=sample_seed)
     check_vocab(source, vocab_size)
-    lock = _agreed(prepare_store, output, spec, overwrite)
-    lock = _agreed(_hold_shared, output, lock, everywhere=True)
+    lock = _agreed(_prepare_shared, output, spec, overwrite)
+    lock = _agreed(_join_shared, output, lock, everywhere=True)
     try:
         stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,
                               tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size, progress=progress)
