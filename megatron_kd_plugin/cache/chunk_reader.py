@@ -35,12 +35,14 @@ class DamagedStoreError(ValueError):
     """A store's file does not hold what its metadata say (missing, truncated, checksum mismatch)."""
 
 
-def _checked(data: bytes, what: str) -> bytes:
-    """``data`` without its trailing little-endian CRC32C, after comparing that with the CRC32C of the rest."""
-    if len(data) < 4 or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
+def _checked(data: bytes, what: str) -> np.ndarray:
+    """``data`` without its trailing little-endian CRC32C (a uint8 view, no copy), after comparing that with the
+    CRC32C of the rest."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    if len(view) < 4 or google_crc32c.value(view[:-4]) != int.from_bytes(data[-4:], "little"):
         raise DamagedStoreError(f"{what}: stored and computed CRC32C checksums do not match (the file is damaged; "
                                 "rewrite the store: rerun the cache command that wrote it, plus --overwrite)")
-    return data[:-4]
+    return view[:-4]
 
 
 class ShardedChunkReader:
@@ -77,7 +79,7 @@ class ShardedChunkReader:
                 raise DamagedStoreError(f"{path}: {size} bytes, shorter than its {self.index_bytes}-byte shard "
                                         "index (the file is truncated)")
             raw = _checked(os.pread(fd, self.index_bytes, size - self.index_bytes), f"{path} (shard index)")
-            index = np.frombuffer(raw, dtype="<u8").reshape(*self.per_shard, 2)
+            index = raw.view("<u8").reshape(*self.per_shard, 2)
             stored = index[..., 0] != _EMPTY
             if np.any(index[..., 0][stored] + index[..., 1][stored] > size - self.index_bytes):
                 raise DamagedStoreError(f"{path}: its shard index points past the chunk data (the file is "

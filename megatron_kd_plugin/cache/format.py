@@ -276,12 +276,27 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec) -> None:
     group.attrs.update(spec.to_attrs() | dict(complete=False, progress=progress_attrs(0, spec)))
 
 
-def _array_documents(spec: CacheSpec) -> dict[str, dict]:
-    """{array name: its zarr.json as parsed JSON} of the store :func:`create_store` makes for ``spec``."""
+def _layout(document: dict) -> dict[str, Any]:
+    """What of an array's zarr.json decides which bytes hold which rows: shape, dtype, fill value, shard shape,
+    and the codec chain by name with the chunk shape (codec settings, which a reader takes from the file itself, and
+    fields a zarr version adds are left out, so stores stay readable across zarr versions)."""
+    def chain(codecs):
+        return [(codec.get("name"), chain(codec.get("configuration", {}).get("codecs", [])),
+                 chain(codec.get("configuration", {}).get("index_codecs", [])),
+                 codec.get("configuration", {}).get("chunk_shape")) if isinstance(codec, dict) else codec
+                for codec in codecs]
+    return dict(shape=document.get("shape"), data_type=document.get("data_type"),
+                fill_value=document.get("fill_value"),
+                shard_shape=document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape"),
+                codecs=chain(document.get("codecs", [])))
+
+
+def _expected_layouts(spec: CacheSpec) -> dict[str, dict]:
+    """{array name: :func:`_layout`} of the store :func:`create_store` makes for ``spec``."""
     group = zarr.open_group(zarr.storage.MemoryStore(), mode="w", zarr_format=3)
     _create_arrays(group, spec)
     prototype = default_buffer_prototype()
-    return {name: json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes())
+    return {name: _layout(json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes()))
             for name, array in group.arrays()}
 
 
@@ -289,9 +304,9 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     """(group, spec) of the store at ``path``, after checking its metadata; ValueError saying what is wrong.
 
     Every zarr.json must parse, the attributes must describe a cache of this format version, and each array's
-    metadata (shape, chunks, shards, dtype, codecs, fill value) must be exactly what :func:`create_store` writes
-    for those attributes: an attribute edited against the arrays (k, seq_length, num_samples, ...) is refused
-    here instead of serving wrong rows.
+    layout (shape, dtype, fill value, shards, chunks, codec chain: :func:`_layout`) must be what
+    :func:`create_store` writes for those attributes: an attribute edited against the arrays (k, seq_length,
+    num_samples, ...) is refused here instead of serving wrong rows.
     """
     path = pathlib.Path(path)
     if not (path / "zarr.json").is_file():
@@ -303,11 +318,13 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
         except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{file} is damaged (not valid JSON: {exc}); rewrite the store (rerun the cache "
                              "command that wrote it, plus --overwrite)") from exc
+    root = documents.pop("")
     try:
-        spec = CacheSpec.from_attrs(documents.pop("").get("attributes", {}))
+        spec = CacheSpec.from_attrs(root.get("attributes", {}) if isinstance(root, dict) else {})
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    expected = _array_documents(spec)
+    expected = _expected_layouts(spec)
+    documents = {name: _layout(document) if isinstance(document, dict) else {} for name, document in documents.items()}
     implied = (f"k={spec.k}, seq_length={spec.seq_length}, num_samples={spec.num_samples}, "
                f"samples_per_shard={spec.samples_per_shard}, mode={spec.mode!r}, logprob_codec={spec.logprob_codec!r}"
                f", store_logsumexp={spec.store_logsumexp}")
@@ -371,7 +388,8 @@ def foreign_entries(path) -> list[str]:
                 foreign.append(f"it holds the file {entry}")
     try:
         document = json.loads((path / "zarr.json").read_bytes())
-        found = document.get("attributes", {}).get("format") if isinstance(document, dict) else None
+        attributes = document.get("attributes") if isinstance(document, dict) else None
+        found = attributes.get("format") if isinstance(attributes, dict) else None
     except (FileNotFoundError, ValueError):             # none, or damaged (truncated): judged by the files alone
         found = FORMAT_NAME
     if found not in FORMAT_NAMES.values():
