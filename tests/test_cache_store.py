@@ -174,7 +174,7 @@ def test_overwrite_replaces_only_a_store_of_this_tool_and_never_a_users_file(tmp
     write(tmp_path / "c")
     (tmp_path / "c" / fmt.IDS / "readme.txt").write_text("a user's note inside a store")
     for path, named in ((folder, "precious.txt"), (plain, "not a folder"), (tmp_path / "c", "readme.txt")):
-        for overwrite in (False, True):
+        for overwrite in (True, False):
             with pytest.raises(ValueError, match=f"not a cache store written by this tool.*{named}"):
                 write(path, k=5, overwrite=overwrite)
     assert (folder / "precious.txt").read_text() == "mine" and plain.read_text() == "mine too"
@@ -196,59 +196,65 @@ def _shard_index(path):
     return np.frombuffer(data[start:start + 64], dtype="<u8").reshape(4, 2).copy(), start
 
 
-def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys):
-    """Each damage the issue found reading back silently: an index entry pointed at another chunk's bytes, one
-    flipped bit in a token chunk, a deleted shard file; the fast reader and ``inspect --verify`` raise, plain zarr
-    raises on the checksums and fills the missing shard with values no store holds."""
+def _repoint(store):
+    """Shard 0 of teacher_ids: chunk 1's index entry pointed at chunk 2's bytes, the index CRC left as it was."""
+    shard = store / fmt.IDS / "c" / "0" / "0" / "0"
+    index, start = _shard_index(shard)
+    index[1] = index[2]
+    data = bytearray(shard.read_bytes())
+    data[start:start + 64] = index.tobytes()
+    shard.write_bytes(bytes(data))
+
+
+def _flip(store):
+    """One bit flipped in the middle of sample 1's token chunk."""
+    shard = store / fmt.TOKENS / "c" / "0" / "0"
+    offset, nbytes = _shard_index(shard)[0][1]
+    data = bytearray(shard.read_bytes())
+    data[int(offset + nbytes // 2)] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def _delete(store):
+    """The shard file of samples 4-7 of teacher_logprobs deleted."""
+    (store / fmt.LOGPROBS / "c" / "1" / "0" / "0").unlink()
+
+
+@pytest.mark.parametrize("damage,sample,array,message", [
+    (_repoint, 1, fmt.IDS, "shard index.*CRC32C"),
+    (_flip, 1, fmt.TOKENS, r"chunk \(1, 0\).*CRC32C"),
+    (_delete, 5, fmt.LOGPROBS, "is missing")], ids=["repointed-index", "flipped-bit", "deleted-shard"])
+def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys, damage, sample, array, message):
+    """Each damage the issue found reading back silently raises in the reader and in ``inspect --verify``; plain
+    zarr raises on the checksums and fills a missing shard with values no store holds; the rest still reads."""
     from megatron_kd_plugin.cache.inspect import main as inspect_main
 
-    write(tmp_path / "pristine")
-    assert inspect_main([str(tmp_path / "pristine"), "--verify"]) == 0
+    write(tmp_path / "c")
+    untouched = next(i for i in range(N) if i // 4 != sample // 4)
+    expected = TopKCacheReader(tmp_path / "c")[untouched]
+    damage(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    with pytest.raises(ValueError, match=message):
+        reader[sample]
+    with pytest.raises(ValueError, match=message):
+        reader.window(sample * 2 + 1, S // 2)
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2 and re.search(message, capsys.readouterr().out)
+    group = zarr.open_group(tmp_path / "c", mode="r")
+    if damage is _delete:                                         # -1 ids, NaN log-probs: never plausible data
+        assert np.isnan(group[array][sample]).all()
+    else:
+        with pytest.raises(ValueError, match="checksum"):
+            group[array][sample]
+    for key, value in reader[untouched].items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 0
     assert f"every checksum of the {N} written samples matches" in capsys.readouterr().out
-    good = TopKCacheReader(tmp_path / "pristine")
-    expected = [good[i] for i in range(N)]
-
-    def damaged(name, damage):
-        shutil.copytree(tmp_path / "pristine", tmp_path / name)
-        damage(tmp_path / name)
-        return TopKCacheReader(tmp_path / name)
-
-    def repoint(store):                                           # chunk 1 -> chunk 2's bytes, CRC left as it was
-        shard = store / fmt.IDS / "c" / "0" / "0" / "0"
-        index, start = _shard_index(shard)
-        index[1] = index[2]
-        data = bytearray(shard.read_bytes())
-        data[start:start + 64] = index.tobytes()
-        shard.write_bytes(bytes(data))
-
-    def flip(store):                                              # one bit in the middle of sample 1's tokens
-        shard = store / fmt.TOKENS / "c" / "0" / "0"
-        offset, nbytes = _shard_index(shard)[0][1]
-        data = bytearray(shard.read_bytes())
-        data[int(offset + nbytes // 2)] ^= 0x10
-        shard.write_bytes(bytes(data))
-
-    cases = [("repointed", repoint, 1, fmt.IDS, "shard index.*CRC32C"),
-             ("flipped", flip, 1, fmt.TOKENS, r"chunk \(1, 0\).*CRC32C"),
-             ("deleted", lambda store: (store / fmt.LOGPROBS / "c" / "1" / "0" / "0").unlink(), 5, fmt.LOGPROBS,
-              "is missing")]
-    for name, damage, sample, array, message in cases:
-        reader = damaged(name, damage)
-        with pytest.raises(ValueError, match=message):
-            reader[sample]
-        with pytest.raises(ValueError, match=message):
-            reader.window(sample * 2 + 1, S // 2)
-        assert inspect_main([str(tmp_path / name), "--verify"]) == 2
-        assert re.search(message, capsys.readouterr().out)
-        group = zarr.open_group(tmp_path / name, mode="r")
-        if name != "deleted":                                     # zarr's own read checks the same CRC32Cs ...
-            with pytest.raises(ValueError, match="checksum"):
-                group[array][sample]
-        else:                                                     # ... and fills a missing shard: -1 ids, NaN
-            assert np.isnan(group[array][sample]).all()
-        untouched = next(i for i in range(N) if i // 4 != sample // 4)
-        for key, value in reader[untouched].items():              # the rest of the store still reads
-            assert torch.equal(value, expected[untouched][key]), (name, key)
 
 
 @pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2), ("samples_per_shard", 2)])
@@ -291,7 +297,7 @@ def test_a_second_writer_is_refused_while_a_process_of_the_first_holds_the_lock(
     write(tmp_path / "c")
     zarr.open_group(tmp_path / "c", mode="r+")[fmt.SHARD_DONE][1] = 0      # unfinished: a resume would write
     lock = tmp_path / "c" / ".writer.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'r+'); "
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
                                "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
                                str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
