@@ -116,14 +116,16 @@ def _done(output) -> int:
 
 
 def _kill_when(command, output, shards_done, *, orphan_workers=False, timeout=240):
-    """Starts the torchrun ``command`` and, once ``shards_done`` shards are marked done, SIGKILLs torchrun's process
-    group and every worker (torch elastic starts each in its own session: killing torchrun's group alone leaves
-    them running). ``orphan_workers``: kill torchrun's group only, as ``kill -9 -PGID`` does, and return its
-    workers paused (SIGSTOP), so that they are certainly still alive when a second run starts; else return []."""
+    """Starts the torchrun ``command`` and, once ``shards_done`` shards are marked done and this run has made
+    progress of its own, SIGKILLs torchrun's process group and every worker (torch elastic starts each in its own
+    session: killing torchrun's group alone leaves them running). ``orphan_workers``: kill torchrun's group only,
+    as ``kill -9 -PGID`` does, and return its workers paused (SIGSTOP), so that they are certainly still alive
+    when a second run starts; else return []."""
+    target = max(shards_done, _done(output) + 1)       # a previous run may have got past shards_done already
     proc = subprocess.Popen(command, env=_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
-    while _done(output) < shards_done:
+    while _done(output) < target:
         if proc.poll() is not None:
             errors = [line for line in proc.stderr.read().decode().splitlines() if "error:" in line]
             raise AssertionError(f"the tool ended before it could be killed: {errors[-5:]}")
