@@ -277,18 +277,18 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec) -> None:
 
 
 def _layout(document: dict) -> dict[str, Any]:
-    """What of an array's zarr.json decides which bytes hold which rows: shape, dtype, fill value, shard shape,
-    and the codec chain by name with the chunk shape (codec settings, which a reader takes from the file itself, and
-    fields a zarr version adds are left out, so stores stay readable across zarr versions)."""
-    def chain(codecs):
-        return [(codec.get("name"), chain(codec.get("configuration", {}).get("codecs", [])),
-                 chain(codec.get("configuration", {}).get("index_codecs", [])),
-                 codec.get("configuration", {}).get("chunk_shape")) if isinstance(codec, dict) else codec
-                for codec in codecs]
+    """What of an array's zarr.json decides which bytes hold which rows: shape, dtype, fill value, shard and chunk
+    shapes, and the codec names (codec settings, which a reader takes from the file itself, and fields a zarr
+    version adds are left out, so stores stay readable across zarr versions)."""
+    def names(codecs) -> list:
+        return [codec.get("name") if isinstance(codec, dict) else codec for codec in codecs]
+    sharding = next((codec.get("configuration", {}) for codec in document.get("codecs", [])
+                     if isinstance(codec, dict) and codec.get("name") == "sharding_indexed"), {})
     return dict(shape=document.get("shape"), data_type=document.get("data_type"),
                 fill_value=document.get("fill_value"),
                 shard_shape=document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape"),
-                codecs=chain(document.get("codecs", [])))
+                chunk_shape=sharding.get("chunk_shape"), codecs=names(document.get("codecs", [])),
+                chunk_codecs=names(sharding.get("codecs", [])), index_codecs=names(sharding.get("index_codecs", [])))
 
 
 def _expected_layouts(spec: CacheSpec) -> dict[str, dict]:
