@@ -3,7 +3,6 @@
 import errno
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -257,7 +256,8 @@ def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
     assert f"every checksum of the {N} written samples matches" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2), ("samples_per_shard", 2)])
+@pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2),
+                                          ("samples_per_shard", 2)])
 def test_attributes_edited_against_the_arrays_are_refused(tmp_path, field, factor):
     write(tmp_path / "c")
     group = zarr.open_group(tmp_path / "c", mode="r+")

@@ -72,7 +72,8 @@ SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
 FORMAT_VERSION = 2
-"""2: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
+"""2: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused, see
+:meth:`CacheSpec.from_attrs`)."""
 
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "shard_done")

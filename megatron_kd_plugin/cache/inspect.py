@@ -1,9 +1,10 @@
 """``python -m megatron_kd_plugin inspect STORE [--samples N] [--plot out.png] [--verify]``: what a store holds.
 
 Prints the attributes, completeness (and the missing samples of an unfinished store), bytes on disk per token
-(total and per array; zarr temporaries a kill left are counted apart, the next run deletes them), and over up to N written samples (evenly spaced) the quantiles of the top-K mass
-m = Σ_k p_k and of the teacher entropy over the K+1 buckets (the K ids plus the tail as one bucket:
-H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the full-vocab entropy). For a sampled store (``mode``
+(total and per array; zarr temporaries a kill left are counted apart, the next run deletes them), and over up to
+N written samples (evenly spaced) the quantiles of the top-K mass m = Σ_k p_k and of the teacher entropy over the
+K+1 buckets (the K ids plus the tail as one bucket: H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the
+full-vocab entropy). For a sampled store (``mode``
 shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
 ``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking chunk
 reader (every CRC32C, every shard file present) and names the first damage. A store whose metadata are damaged
@@ -52,7 +53,8 @@ def stored_bytes(path: pathlib.Path) -> dict[str, int]:
 
 def verify(path: pathlib.Path, group, spec: fmt.CacheSpec) -> int:
     """Reads every sample of every shard marked done through the checking chunk reader; the samples read."""
-    readers = {name: open_chunk_reader(path / name, array) for name, array in group.arrays() if name != fmt.SHARD_DONE}
+    readers = {name: open_chunk_reader(path / name, array) for name, array in group.arrays()
+               if name != fmt.SHARD_DONE}
     done = np.flatnonzero(group[fmt.SHARD_DONE][:])
     count = 0
     for shard in done:
