@@ -14,7 +14,6 @@ import numpy as np
 import psutil
 import pytest
 import torch
-import zarr
 
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
