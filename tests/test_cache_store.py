@@ -2,6 +2,7 @@
 
 import errno
 import json
+import re
 
 import numpy as np
 import pytest
@@ -157,13 +158,159 @@ def test_other_settings_at_the_path_are_refused_unless_overwrite(tmp_path):
     with pytest.raises(ValueError, match=r"k: requested 5, on disk 6"):
         write(tmp_path / "c", k=5)
     assert json.loads((tmp_path / "c" / "zarr.json").read_text()) == before
-    (tmp_path / "junk").mkdir()
-    with pytest.raises(ValueError, match="unreadable"):
-        write(tmp_path / "junk")
     write(tmp_path / "c", k=5, overwrite=True)
     assert TopKCacheReader(tmp_path / "c").spec.k == 5
     again = write(tmp_path / "c", k=5)                       # same settings, complete: nothing to do
     assert again.shards_written == 0 and again.shards_skipped == 3
+
+
+def test_overwrite_replaces_only_a_store_of_this_tool_and_never_a_users_file(tmp_path):
+    folder = tmp_path / "d"                                       # a user's folder with a file in it
+    folder.mkdir()
+    (folder / "precious.txt").write_text("mine")
+    plain = tmp_path / "notes.txt"                                # a regular file
+    plain.write_text("mine too")
+    write(tmp_path / "c")
+    (tmp_path / "c" / fmt.IDS / "readme.txt").write_text("a user's note inside a store")
+    for path, named in ((folder, "precious.txt"), (plain, "not a folder"), (tmp_path / "c", "readme.txt")):
+        for overwrite in (True, False):
+            with pytest.raises(ValueError, match=f"not a cache store written by this tool.*{named}"):
+                write(path, k=5, overwrite=overwrite)
+    assert (folder / "precious.txt").read_text() == "mine" and plain.read_text() == "mine too"
+    assert (tmp_path / "c" / fmt.IDS / "readme.txt").exists() and TopKCacheReader(tmp_path / "c").spec.k == K
+    (tmp_path / "c" / fmt.IDS / "readme.txt").unlink()
+    (tmp_path / "c" / "zarr.json").write_bytes((tmp_path / "c" / "zarr.json").read_bytes()[:50])   # damaged
+    with pytest.raises(ValueError, match="unreadable.*not valid JSON"):
+        write(tmp_path / "c")
+    write(tmp_path / "c", overwrite=True)                         # a damaged store of this tool is replaced
+    (tmp_path / "empty").mkdir()                                  # an empty folder is used
+    write(tmp_path / "empty")
+    assert TopKCacheReader(tmp_path / "c").spec.k == TopKCacheReader(tmp_path / "empty").spec.k == K
+
+
+def _shard_index(path):
+    """(index [P, 2] uint64 (offset, nbytes) per chunk, index start) of a one-dimensional-chunked shard file."""
+    data = path.read_bytes()
+    start = len(data) - 16 * 4 - 4                                 # 4 samples per shard, then the CRC32C
+    return np.frombuffer(data[start:start + 64], dtype="<u8").reshape(4, 2).copy(), start
+
+
+def _repoint(store):
+    """Shard 0 of teacher_ids: chunk 1's index entry pointed at chunk 2's bytes, the index CRC left as it was."""
+    shard = store / fmt.IDS / "c" / "0" / "0" / "0"
+    index, start = _shard_index(shard)
+    index[1] = index[2]
+    data = bytearray(shard.read_bytes())
+    data[start:start + 64] = index.tobytes()
+    shard.write_bytes(bytes(data))
+
+
+def _flip(store):
+    """One bit flipped in the middle of sample 1's token chunk."""
+    shard = store / fmt.TOKENS / "c" / "0" / "0"
+    offset, nbytes = _shard_index(shard)[0][1]
+    data = bytearray(shard.read_bytes())
+    data[int(offset + nbytes // 2)] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def _delete(store):
+    """The shard file of samples 4-7 of teacher_logprobs deleted."""
+    (store / fmt.LOGPROBS / "c" / "1" / "0" / "0").unlink()
+
+
+@pytest.mark.parametrize("damage,sample,array,message", [
+    (_repoint, 1, fmt.IDS, "shard index.*CRC32C"),
+    (_flip, 1, fmt.TOKENS, r"chunk \(1, 0\).*CRC32C"),
+    (_delete, 5, fmt.LOGPROBS, "is missing")], ids=["repointed-index", "flipped-bit", "deleted-shard"])
+def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys, damage, sample, array, message):
+    """Each damage the issue found reading back silently raises in the reader and in ``inspect --verify``; plain
+    zarr raises on the checksums and fills a missing shard with values no store holds; the rest still reads."""
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    untouched = next(i for i in range(N) if i // 4 != sample // 4)
+    expected = TopKCacheReader(tmp_path / "c")[untouched]
+    damage(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    with pytest.raises(ValueError, match=message):
+        reader[sample]
+    with pytest.raises(ValueError, match=message):
+        reader.window(sample * 2 + 1, S // 2)
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2 and re.search(message, capsys.readouterr().out)
+    group = zarr.open_group(tmp_path / "c", mode="r")
+    if damage is _delete:                                         # -1 ids, NaN log-probs: never plausible data
+        assert np.isnan(group[array][sample]).all()
+    else:
+        with pytest.raises(ValueError, match="checksum"):
+            group[array][sample]
+    for key, value in reader[untouched].items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 0
+    assert f"every checksum of the {N} written samples matches" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2),
+                                          ("samples_per_shard", 2)])
+def test_attributes_edited_against_the_arrays_are_refused(tmp_path, field, factor):
+    write(tmp_path / "c")
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    edited = int(group.attrs[field] * factor)
+    group.attrs[field] = edited
+    with pytest.raises(ValueError, match=f"attributes \\(.*{field}={edited}.*\\) do not match the array"):
+        TopKCacheReader(tmp_path / "c")
+
+
+def test_damaged_metadata_give_a_clear_error(tmp_path, capsys):
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    for file in (tmp_path / "c" / "zarr.json", tmp_path / "c" / fmt.LOGPROBS / "zarr.json"):
+        original = file.read_bytes()
+        file.write_bytes(original[:len(original) // 2])           # truncated
+        with pytest.raises(ValueError, match=f"{file} is damaged \\(not valid JSON"):
+            TopKCacheReader(tmp_path / "c")
+        assert inspect_main([str(tmp_path / "c")]) == 2 and f"{file} is damaged" in capsys.readouterr().out
+        file.write_bytes(original)
+    TopKCacheReader(tmp_path / "c")
+
+
+def test_version_1_stores_are_refused_with_a_rewrite_hint(tmp_path):
+    write(tmp_path / "c")
+    zarr.open_group(tmp_path / "c", mode="r+").attrs["version"] = 1
+    with pytest.raises(ValueError, match="version 1 .*no chunk checksums.*--overwrite"):
+        TopKCacheReader(tmp_path / "c")
+    write(tmp_path / "c", overwrite=True)                         # rewritten in the current version
+    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
+
+
+def test_a_second_writer_is_refused_while_a_process_of_the_first_holds_the_lock(tmp_path):
+    import subprocess
+    import sys
+
+    write(tmp_path / "c")
+    zarr.open_group(tmp_path / "c", mode="r+")[fmt.SHARD_DONE][1] = 0      # unfinished: a resume would write
+    lock = tmp_path / "c" / ".writer.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+                               str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = _tree(tmp_path / "c")
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=f"another run is writing {tmp_path / 'c'}"):
+                write(tmp_path / "c", overwrite=overwrite)
+        assert _tree(tmp_path / "c") == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert write(tmp_path / "c").shards_written == 1              # the holder gone, the run resumes
 
 
 def _tree(path):
@@ -177,6 +324,8 @@ def test_resume_redoes_unmarked_shards_bit_identically(tmp_path):
     group[fmt.SHARD_DONE][1] = 0                                  # as if killed before marking shard 1
     group[fmt.IDS][4:8] = 0                                       # ... with its data half written
     group.attrs.update(complete=False)
+    for partial in (f"{fmt.IDS}/c/1/0/0", "zarr", f"{fmt.SHARD_DONE}/c/1"):   # and between write and rename
+        (tmp_path / "part" / f"{partial}.{'0123456789abcdef' * 2}.partial").write_bytes(b"half a chunk")
     with pytest.raises(ValueError, match=r"samples \[4, 8\) of 11 are not written"):
         TopKCacheReader(tmp_path / "part")
     stats = write(tmp_path / "part")
@@ -203,6 +352,26 @@ def test_full_disk_leaves_an_incomplete_store_and_says_so(tmp_path, monkeypatch)
         TopKCacheReader(tmp_path / "c")
 
 
+def test_a_store_that_cannot_be_created_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("a regular file")
+    output = tmp_path / "file" / "c.zarr"                         # under a path that cannot be a folder
+    with pytest.raises(OSError, match=f"cannot create the store {output}: .*check that {output.parent} is a folder") \
+            as raised:
+        write(output)
+    assert ".creating" not in str(raised.value)
+    real = fmt._create_arrays
+
+    def disk_fills(group, spec):
+        real(group, spec)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt, "_create_arrays", disk_fills)
+    with pytest.raises(OSError, match=f"cannot create the store {tmp_path / 'c'}: No space left on device; free "
+                                      "space .* and rerun the same command"):
+        write(tmp_path / "c")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "file"]      # no store, no staging folder left
+
+
 def test_jsonl_source_with_a_tokenizers_file(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -224,6 +393,9 @@ def test_jsonl_source_with_a_tokenizers_file(tmp_path):
     assert reader[2]["tokens"].tolist() == expected[16:25]
     with pytest.raises(ValueError, match="tokenizer"):
         write(tmp_path / "d", source, table_teacher(vocab - 1)[1], vocab_size=vocab - 1, k=4)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": texts[0]}) + "\n" + json.dumps({"text": 123}) + "\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'bad.jsonl'}:2: 'text' holds int 123, expected a string"):
+        jsonl_windows(str(tmp_path / "bad.jsonl"), str(tmp_path / "tokenizer.json"), 8)
 
 
 def test_spec_rejects_bad_values():

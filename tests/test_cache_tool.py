@@ -1,18 +1,19 @@
 """tools/cache_teacher_logits.py end to end: torchrun TP=2 on an indexed dataset against a float64 TP=1
-reference; real SIGKILLs at several points followed by a resume, and a DP=2 run, both byte-identical to one
-clean single-process run."""
+reference; real SIGKILLs of a torchrun DP=2 run (torchrun and its workers) at several points, a second run
+refused while orphaned workers live, and a resume, byte-identical to one clean single-process run."""
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
-import zarr
 
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
@@ -106,52 +107,102 @@ def _done(output) -> int:
         return -1
     done = 0
     for marker in markers.iterdir() if markers.is_dir() else ():
-        try:
-            done += marker.suffix != ".partial" and marker.read_bytes() == b"\x01"
+        try:                                # a marker chunk: the byte 1, then its CRC32C
+            done += marker.suffix != ".partial" and marker.read_bytes()[:1] == b"\x01"
         except FileNotFoundError:           # a temporary file renamed away meanwhile
             pass
     return done
 
 
-def _kill_when(command, output, shards_done, timeout=240):
-    """Starts ``command``, SIGKILLs its whole process group once ``shards_done`` shards are marked done."""
-    proc = subprocess.Popen(command, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def _kill_when(command, output, shards_done, *, orphan_workers=False, timeout=240):
+    """Starts the torchrun ``command`` and, once ``shards_done`` shards are marked done and this run has made
+    progress of its own, SIGKILLs torchrun's process group and every worker (torch elastic starts each in its own
+    session: killing torchrun's group alone leaves them running). ``orphan_workers``: kill torchrun's group only,
+    as ``kill -9 -PGID`` does, and return its workers paused (SIGSTOP), so that they are certainly still alive
+    when a second run starts; else return []."""
+    target = max(shards_done, _done(output) + 1)       # a previous run may have got past shards_done already
+    proc = subprocess.Popen(command, env=_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
-    while _done(output) < shards_done:
-        assert proc.poll() is None, f"the tool ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    while _done(output) < target:
+        if proc.poll() is not None:
+            errors = [line for line in proc.stderr.read().decode().splitlines() if "error:" in line]
+            raise AssertionError(f"the tool ended before it could be killed: {errors[-5:]}")
         assert time.monotonic() < deadline
         time.sleep(0.001)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    for worker in workers if orphan_workers else ():
+        worker.suspend()
     os.killpg(proc.pid, signal.SIGKILL)
+    for worker in () if orphan_workers else workers:
+        worker.kill()
     proc.wait()
-    return _done(output)
+    assert len(workers) == 2
+    if orphan_workers:
+        assert all(map(_alive, workers))
+        return workers
+    _wait_dead(workers)
+    return []
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_dead(processes, timeout=30):
+    deadline = time.monotonic() + timeout
+    while any(map(_alive, processes)):
+        assert time.monotonic() < deadline, processes
+        time.sleep(0.01)
 
 
 def _tree(path):
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_sigkill_at_several_points_then_resume_and_dp2_are_byte_identical_to_a_clean_run(teacher_and_data):
+def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_run(teacher_and_data):
+    """Three kills of a torchrun DP=2 run; the third orphans the workers, and a second run is refused while they
+    live. The resume (one process) completes a store written by two DP writers and four runs, byte for byte the
+    store of one clean single-process run."""
     work, _, _ = teacher_and_data
     args = ("--num-samples", "32", "--samples-per-shard", "2", "--micro-batch-size", "1")
     clean, killed = work / "clean.zarr", work / "killed.zarr"
+    plain = _cache_command(work / "teacher", str(work / "data"), killed, *args)
     assert subprocess.run(_cache_command(work / "teacher", str(work / "data"), clean, *args), env=_env(1),
                           capture_output=True, timeout=300).returncode == 0
-    marks = [_kill_when(_cache_command(work / "teacher", str(work / "data"), killed, *args), killed, n)
-             for n in (0, 4, 9)]                          # right after creation, then mid-run twice
+    dp2 = _cache_command(work / "teacher", str(work / "data"), killed, *args, nproc=2)   # DP=2 writers
+    marks = []
+    for shards_done in (0, 4):                             # right after creation, then mid-run
+        _kill_when(dp2, killed, shards_done)
+        marks.append(_done(killed))
+    orphans = _kill_when(dp2, killed, 9, orphan_workers=True)
+    second = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0 and f"another run is writing {killed}" in second.stderr, second.stderr[-2000:]
+    for worker in orphans:                                 # then the orphans die too, wherever they were
+        worker.kill()
+    _wait_dead(orphans)
+    marks.append(_done(killed))
     assert marks[0] < marks[1] < marks[2] < 16, marks   # three distinct points, each before the end
     with pytest.raises(ValueError, match="unfinished"):
         TopKCacheReader(killed)
-    resumed = subprocess.run(_cache_command(work / "teacher", str(work / "data"), killed, *args), env=_env(1),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
     assert not list(killed.rglob("*.partial"))
-    dp2 = work / "dp2.zarr"                               # world 2, TP=1: two DP writers own half the shards each
-    result = subprocess.run(_cache_command(work / "teacher", str(work / "data"), dp2, *args, nproc=2),
-                            env=_env(2), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _tree(dp2) == _tree(clean)
+
+
+def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
+    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+
+    work = teacher_and_data[0]
+    shutil.copy(work / "data.idx", tmp_path / "d.idx")
+    (tmp_path / "d.bin").write_bytes((work / "data.bin").read_bytes()[:-8])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'd.bin'} holds [0-9]+ bytes but {tmp_path / 'd.idx'} "
+                                         "describes [0-9]+ tokens of int32 .*: the .bin is truncated"):
+        indexed_dataset_windows(str(tmp_path / "d"), S)
 
 
 def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_the_mode(teacher_and_data, capsys):

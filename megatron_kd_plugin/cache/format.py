@@ -2,12 +2,21 @@
 
 Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``)::
 
-    tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle
-    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle
-    teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle
-    teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]
-    teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards
-    shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)
+    tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle      fill -1
+    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle  -1
+    teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
+    teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
+    teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
+    shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)   0
+    .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
+
+Integrity (format version 2): every chunk, inner chunks of shards and ``shard_done`` included, ends with its
+CRC32C (zarr's ``crc32c`` codec, the last codec of each chain), and the shard index carries its own CRC32C
+(the sharding codec's index codecs). The fill values are values no written chunk can hold (ids and tokens
+are >= 0, log-probs and logsumexps are finite), so zarr stores every inner chunk of a written shard, and in a
+complete store a missing shard file or an empty index entry is damage, not data. :func:`open_store` checks
+every zarr.json against the layout :func:`create_store` writes for the store's attributes before any read.
+Version 1 stores (no chunk checksums, fill value 0) are refused with a message saying how to rewrite them.
 
 Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` given ``tokens[i, :t+1]``:
 ``teacher_logprobs[i, t, k] = log softmax(z / τ_c)[teacher_ids[i, t, k]]`` normalised over the teacher's FULL
@@ -41,26 +50,34 @@ a reader refuses an incomplete store and names the missing samples.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.codecs import numcodecs as numcodecs_zarr3
+from zarr.core.buffer import default_buffer_prototype
+
+from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused, see
+:meth:`CacheSpec.from_attrs`)."""
 
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "shard_done")
+ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE)
 SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
@@ -164,16 +181,28 @@ class CacheSpec:
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "CacheSpec":
-        """The spec of a store's attributes; stores written before the sampled mode (no ``mode``) are top-K."""
+        """The spec of a store's attributes; stores written before the sampled mode (no ``mode``) are top-K.
+
+        Version 1 stores are refused: without chunk checksums their damaged or missing chunks read back as data
+        (zeros), which is what version 2 exists to rule out; rewriting one takes the same cache command plus
+        ``--overwrite``.
+        """
         mode = attrs.get("mode", "topk")
         if attrs.get("format") not in FORMAT_NAMES.values() or attrs.get("format") != FORMAT_NAMES.get(mode):
             raise ValueError(f"not a teacher cache: format attribute {attrs.get('format')!r} with mode {mode!r}, "
                              f"expected one of {FORMAT_NAMES}")
+        if attrs.get("version") == 1:
+            raise ValueError("cache format version 1 (no chunk checksums) is no longer read: a damaged chunk of it "
+                             f"would read back as data; rewrite the store in version {FORMAT_VERSION} (rerun the "
+                             "cache command that wrote it, plus --overwrite)")
         if attrs.get("version") != FORMAT_VERSION:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
                              f"(this reader reads version {FORMAT_VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in attrs.items() if key in names})
+        try:
+            return cls(**{key: value for key, value in attrs.items() if key in names})
+        except TypeError as exc:                          # a missing field, or a value of the wrong type
+            raise ValueError(f"the store's attributes do not describe a cache ({exc})") from exc
 
     def differences(self, other: "CacheSpec") -> dict[str, tuple[Any, Any]]:
         """{field: (self's value, other's value)} for every field that differs."""
@@ -189,39 +218,201 @@ def _blosc(typesize: int, shuffle: str = "shuffle") -> BloscCodec:
 
 
 def create_store(path, spec: CacheSpec) -> None:
-    """A new, empty store at ``path`` (which must not exist) with the arrays of ``spec``, marked incomplete.
+    """A new, empty store at ``path`` (which must not exist, or be an empty folder) with the arrays of ``spec``,
+    marked incomplete.
 
-    Built in a sibling folder and renamed into place, so a kill during creation never leaves a store without
-    its attributes at ``path`` (a leftover ``.NAME.creating`` folder is replaced by the next attempt).
+    Built in a sibling folder ``.NAME.creating`` and renamed into place, so a kill during creation never leaves a
+    store without its attributes at ``path``. The sibling is claimed by ``mkdir`` and locked while it is built: a
+    leftover of a killed attempt is replaced, one that a live run is building is refused (ValueError). An OSError
+    (a path that cannot be created, a full disk) names ``path`` and what to do, and leaves nothing behind.
     """
     path = pathlib.Path(path)
     staging = path.with_name(f".{path.name}.creating")
-    if staging.exists():
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _claim(staging, path):
+            _create_arrays(zarr.open_group(staging, mode="a", zarr_format=3), spec)
+            os.rename(staging, path)
+    except OSError as exc:
+        if staging.is_dir() and not staging.is_symlink():
+            shutil.rmtree(staging, ignore_errors=True)
+        hint = f"free space on the file system of {path.parent} and rerun the same command" \
+            if exc.errno == errno.ENOSPC else f"check that {path.parent} is a folder you can write to"
+        raise OSError(exc.errno, f"cannot create the store {path}: {exc.strerror or exc}; {hint}") from exc
+
+
+def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
+    """The lock of the staging folder, made by this process (see :func:`create_store`)."""
+    try:
+        staging.mkdir()
+    except FileExistsError:
+        WriterLock(staging, store=path).exclusive().release()   # ValueError if a live run builds it
         shutil.rmtree(staging)
-    _create_arrays(staging, spec)
-    os.rename(staging, path)
+        staging.mkdir()
+    return WriterLock(staging, store=path).exclusive()
 
 
-def _create_arrays(path: pathlib.Path, spec: CacheSpec) -> None:
-    group = zarr.open_group(path, mode="w-", zarr_format=3)
+def _create_arrays(group: zarr.Group, spec: CacheSpec) -> None:
+    """The arrays and attributes of ``spec`` in the empty group ``group``; every chunk chain ends with CRC32C."""
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
     logprob_filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
+    nan = float("nan")
     group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
-                       compressors=_blosc(4), fill_value=0, dimension_names=("sample", "position"))
+                       compressors=[_blosc(4), Crc32cCodec()], fill_value=-1, dimension_names=("sample", "position"))
     group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
-                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=_blosc(4, "bitshuffle"),
-                       fill_value=0, dimension_names=("sample", "position", slot))
+                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, "bitshuffle"),
+                                                                                  Crc32cCodec()],
+                       fill_value=-1, dimension_names=("sample", "position", slot))
     group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
-                       filters=logprob_filters, compressors=_blosc(np.dtype(codec.dtype).itemsize),
-                       fill_value=0.0, dimension_names=("sample", "position", slot))
+                       filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()],
+                       fill_value=nan, dimension_names=("sample", "position", slot))
     for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
         group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
-                           compressors=_blosc(4), fill_value=0.0, dimension_names=("sample", "position"))
-    group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=None,
+                           compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
+                           dimension_names=("sample", "position"))
+    group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=[Crc32cCodec()],
                        fill_value=0, dimension_names=("shard",))
     group.attrs.update(spec.to_attrs() | dict(complete=False, progress=progress_attrs(0, spec)))
+
+
+def _layout(document: dict) -> dict[str, Any]:
+    """What of an array's zarr.json decides which bytes hold which rows: shape, dtype, fill value, shard and chunk
+    shapes, and the codec names (codec settings, which a reader takes from the file itself, and fields a zarr
+    version adds are left out, so stores stay readable across zarr versions)."""
+    def names(codecs) -> list:
+        return [codec.get("name") if isinstance(codec, dict) else codec for codec in codecs]
+    sharding = next((codec.get("configuration", {}) for codec in document.get("codecs", [])
+                     if isinstance(codec, dict) and codec.get("name") == "sharding_indexed"), {})
+    return dict(shape=document.get("shape"), data_type=document.get("data_type"),
+                fill_value=document.get("fill_value"),
+                shard_shape=document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape"),
+                chunk_shape=sharding.get("chunk_shape"), codecs=names(document.get("codecs", [])),
+                chunk_codecs=names(sharding.get("codecs", [])), index_codecs=names(sharding.get("index_codecs", [])))
+
+
+def _expected_layouts(spec: CacheSpec) -> dict[str, dict]:
+    """{array name: :func:`_layout`} of the store :func:`create_store` makes for ``spec``."""
+    group = zarr.open_group(zarr.storage.MemoryStore(), mode="w", zarr_format=3)
+    _create_arrays(group, spec)
+    prototype = default_buffer_prototype()
+    return {name: _layout(json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes()))
+            for name, array in group.arrays()}
+
+
+def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
+    """(group, spec) of the store at ``path``, after checking its metadata; ValueError saying what is wrong.
+
+    Every zarr.json must parse, the attributes must describe a cache of this format version, and each array's
+    layout (shape, dtype, fill value, shards, chunks, codec chain: :func:`_layout`) must be what
+    :func:`create_store` writes for those attributes: an attribute edited against the arrays (k, seq_length,
+    num_samples, ...) is refused here instead of serving wrong rows.
+    """
+    path = pathlib.Path(path)
+    if not (path / "zarr.json").is_file():
+        raise ValueError(f"{path} is not a teacher cache (no zarr.json)")
+    documents = {}
+    for file in [path / "zarr.json"] + sorted(path.glob("*/zarr.json")):
+        try:
+            documents[file.parent.name if file.parent != path else ""] = json.loads(file.read_bytes())
+        except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{file} is damaged (not valid JSON: {exc}); rewrite the store (rerun the cache "
+                             "command that wrote it, plus --overwrite)") from exc
+    root = documents.pop("")
+    try:
+        spec = CacheSpec.from_attrs(root.get("attributes", {}) if isinstance(root, dict) else {})
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    expected = _expected_layouts(spec)
+    documents = {name: _layout(document) if isinstance(document, dict) else {} for name, document in documents.items()}
+    implied = (f"k={spec.k}, seq_length={spec.seq_length}, num_samples={spec.num_samples}, "
+               f"samples_per_shard={spec.samples_per_shard}, mode={spec.mode!r}, logprob_codec={spec.logprob_codec!r}"
+               f", store_logsumexp={spec.store_logsumexp}")
+    for name in sorted(expected.keys() | documents.keys()):
+        if name not in documents or name not in expected:
+            where = "is missing" if name not in documents else "should not exist"
+            raise ValueError(f"{path}: the array {name} {where} for the store's attributes ({implied}): the store's "
+                             "zarr.json was edited or the store is damaged")
+        fields = [key for key in sorted(expected[name].keys() | documents[name].keys())
+                  if expected[name].get(key) != documents[name].get(key)]
+        if fields:
+            listed = "; ".join(f"{key} {documents[name].get(key)!r} on disk, {expected[name].get(key)!r} implied"
+                               for key in fields)
+            raise ValueError(f"{path}: the attributes ({implied}) do not match the array {name} ({listed}): the "
+                             "store's zarr.json was edited or the store is damaged")
+    return zarr.open_group(path, mode=mode), spec
+
+
+_PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")
+"""The suffix of zarr LocalStore's temporary files (``NAME.<uuid>.partial``, renamed to NAME once written)."""
+_CHUNK = re.compile(r"[0-9]+$")
+
+
+def _store_file(parts: tuple[str, ...]) -> bool:
+    """Whether the path ``parts`` (relative to a store's root) is a file this project's stores hold."""
+    partial = _PARTIAL.search(parts[-1])
+    name = parts[-1][:partial.start()] if partial else parts[-1]
+    metadata = parts[-1] == "zarr.json" or (partial is not None and name == "zarr")   # zarr.<uuid>.partial
+    if len(parts) == 1:
+        return metadata or parts[0] == LOCK_NAME
+    if parts[0] not in ARRAYS:
+        return False
+    if len(parts) == 2:
+        return metadata
+    return parts[1] == "c" and all(_CHUNK.match(part) for part in parts[2:-1] + (name,))
+
+
+def foreign_entries(path) -> list[str]:
+    """What in the folder ``path`` is not part of a store of this project (empty: all of it is), as short texts.
+
+    A store of this project holds only its zarr.json files, chunk files under ``ARRAY/c/``, zarr's temporaries,
+    its lock file, and a root zarr.json that names one of :data:`FORMAT_NAMES` (or does not parse: a damaged
+    store). Symbolic links are never part of one.
+    """
+    path = pathlib.Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return [f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}"]
+    foreign = []
+    for folder, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            entry = pathlib.Path(folder, name)
+            parts = entry.relative_to(path).parts
+            if entry.is_symlink():
+                foreign.append(f"{entry} is a symbolic link")
+            elif entry.is_dir():
+                if not (parts[0] in ARRAYS and (len(parts) == 1 or parts[1] == "c" and
+                                                all(_CHUNK.match(part) for part in parts[2:]))):
+                    foreign.append(f"it holds the folder {entry}")
+                    dirs.remove(name)                    # do not walk what is not ours
+            elif not _store_file(parts):
+                foreign.append(f"it holds the file {entry}")
+    try:
+        document = json.loads((path / "zarr.json").read_bytes())
+        attributes = document.get("attributes") if isinstance(document, dict) else None
+        found = attributes.get("format") if isinstance(attributes, dict) else None
+    except (FileNotFoundError, ValueError):             # none, or damaged (truncated): judged by the files alone
+        found = FORMAT_NAME
+    if found not in FORMAT_NAMES.values():
+        foreign.append(f"its zarr.json names the format {found!r}, not one of {sorted(FORMAT_NAMES.values())}")
+    return foreign
+
+
+def is_partial(path: pathlib.Path) -> bool:
+    """Whether ``path`` is one of zarr LocalStore's temporaries."""
+    return _PARTIAL.search(path.name) is not None
+
+
+def remove_partials(path) -> int:
+    """Deletes the temporaries a kill left in the store at ``path`` (between zarr's write and rename); their count.
+
+    Call only while no writer is alive (the writers' lock held exclusively).
+    """
+    partials = [file for file in pathlib.Path(path).rglob("*.partial") if is_partial(file)
+                and _store_file(file.relative_to(path).parts)]
+    for file in partials:
+        file.unlink()
+    return len(partials)
 
 
 def progress_attrs(shards_done: int, spec: CacheSpec) -> dict[str, int]:

@@ -1,11 +1,14 @@
-"""``python -m megatron_kd_plugin inspect STORE [--samples N] [--plot out.png]``: what a top-K store holds.
+"""``python -m megatron_kd_plugin inspect STORE [--samples N] [--plot out.png] [--verify]``: what a store holds.
 
 Prints the attributes, completeness (and the missing samples of an unfinished store), bytes on disk per token
-(total and per array), and over up to N written samples (evenly spaced) the quantiles of the top-K mass
-m = Σ_k p_k and of the teacher entropy over the K+1 buckets (the K ids plus the tail as one bucket:
-H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the full-vocab entropy). For a sampled store (``mode``
+(total and per array; zarr temporaries a kill left are counted apart, the next run deletes them), and over up to
+N written samples (evenly spaced) the quantiles of the top-K mass m = Σ_k p_k and of the teacher entropy over the
+K+1 buckets (the K ids plus the tail as one bucket: H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the
+full-vocab entropy). For a sampled store (``mode``
 shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
-``--plot`` draws both histograms into a PNG.
+``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking chunk
+reader (every CRC32C, every shard file present) and names the first damage. A store whose metadata are damaged
+or do not match its attributes (``format.open_store``) is an error.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import json
 import pathlib
 
 import numpy as np
-import zarr
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
@@ -41,16 +44,32 @@ def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarra
 
 
 def stored_bytes(path: pathlib.Path) -> dict[str, int]:
-    """Bytes on disk per top-level entry of the store."""
-    return {child.name: sum(f.stat().st_size for f in child.rglob("*") if f.is_file()) if child.is_dir()
-            else child.stat().st_size for child in sorted(path.iterdir())}
+    """Bytes on disk per top-level entry of the store, zarr's temporaries (``*.partial``) left out."""
+    def size(entry: pathlib.Path) -> int:
+        return sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and not fmt.is_partial(f)) \
+            if entry.is_dir() else entry.stat().st_size
+    return {child.name: size(child) for child in sorted(path.iterdir()) if not fmt.is_partial(child)}
 
 
-def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
-    """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``."""
+def verify(path: pathlib.Path, group, spec: fmt.CacheSpec) -> int:
+    """Reads every sample of every shard marked done through the checking chunk reader; the samples read."""
+    readers = {name: open_chunk_reader(path / name, array) for name, array in group.arrays()
+               if name != fmt.SHARD_DONE}
+    done = np.flatnonzero(group[fmt.SHARD_DONE][:])
+    count = 0
+    for shard in done:
+        for sample in range(*spec.shard_range(int(shard))):
+            for name, reader in readers.items():
+                reader.read((sample,) + (0,) * (group[name].ndim - 1))
+            count += 1
+    return count
+
+
+def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[str, np.ndarray]]:
+    """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``; ``check``: verify
+    every written chunk first (see :func:`verify`)."""
     path = pathlib.Path(path)
-    group = zarr.open_group(path, mode="r")
-    spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
+    group, spec = fmt.open_store(path)
     slots = f"top-K, K={spec.k}" if spec.mode == "topk" else \
         f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
@@ -65,6 +84,11 @@ def describe(path, samples: int = 256) -> tuple[str, dict[str, np.ndarray]]:
                  f"{sum(sizes.values()) / max(1, done * spec.seq_length):.1f} bytes/token written "
                  f"({slots}, {spec.logprob_codec})")
     lines += [f"  {name:<20} {size / max(1, done * spec.seq_length):8.1f} bytes/token" for name, size in sizes.items()]
+    partials = [f for f in path.rglob("*") if fmt.is_partial(f)]
+    if partials:
+        lines.append(f"  {len(partials)} temporary files a killed run left (not counted; the next run deletes them)")
+    if check:
+        lines.append(f"verified: every checksum of the {verify(path, group, spec)} written samples matches")
     written = np.flatnonzero(group[fmt.SHARD_DONE][:])
     picked = np.concatenate([np.arange(*spec.shard_range(int(s))) for s in written]) if len(written) else \
         np.zeros(0, dtype=np.int64)
@@ -110,9 +134,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("store", help="path of the cache store")
     parser.add_argument("--samples", type=int, default=256, help="samples to compute the statistics over")
     parser.add_argument("--plot", default=None, help="write top-K mass and entropy histograms to this PNG")
+    parser.add_argument("--verify", action="store_true", help="read every written chunk and check its checksums")
     args = parser.parse_args(argv)
     try:
-        text, stats = describe(args.store, args.samples)
+        text, stats = describe(args.store, args.samples, check=args.verify)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}")
         return 2

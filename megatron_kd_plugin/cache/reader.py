@@ -5,8 +5,11 @@ row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsum
 a sampled store (K = N draws) also carry ``teacher_sample_weights`` float32 ``[S, K]``, the importance weights
 w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``sample.sample_weights``.
 ``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
-cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store,
-``validate`` checks the store against what the student expects; both raise ValueError saying what is wrong.
+cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store and one
+whose metadata do not match its attributes (``format.open_store``); ``validate`` checks the store against what
+the student expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
+and of the chunk (``chunk_reader.py``): damage raises ``chunk_reader.DamagedStoreError`` (a ValueError) naming
+the file, never returns wrong rows.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import pathlib
 
 import numpy as np
 import torch
-import zarr
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
@@ -27,10 +29,7 @@ class TopKCacheReader:
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
-        if not (self.path / "zarr.json").is_file():
-            raise ValueError(f"{self.path} is not a teacher cache (no zarr.json)")
-        group = zarr.open_group(self.path, mode="r")
-        self.spec = fmt.CacheSpec.from_attrs(dict(group.attrs))
+        group, self.spec = fmt.open_store(self.path)
         if group.attrs.get("complete") is not True:
             missing = fmt.missing_samples(group, self.spec)
             raise ValueError(f"{self.path} is unfinished: samples {fmt.describe_ranges(missing)} of "
@@ -42,6 +41,8 @@ class TopKCacheReader:
         self._arrays = {name: group[name] for name in names}
         self._chunk_readers = {name: open_chunk_reader(self.path / name, array)
                                for name, array in self._arrays.items()}
+        if None in self._chunk_readers.values():       # open_store checked the layout: not a local folder
+            raise ValueError(f"{self.path}: the store is not a folder on a local file system")
 
     def __len__(self) -> int:
         return self.spec.num_samples
@@ -72,14 +73,8 @@ class TopKCacheReader:
 
     def sample_arrays(self, sample: int) -> dict[str, np.ndarray]:
         """The stored arrays of ``sample`` as numpy, in their on-disk dtypes (one chunk each)."""
-        out = {}
-        for name, array in self._arrays.items():
-            chunk_reader = self._chunk_readers[name]
-            if chunk_reader is None:
-                out[name] = array[sample]
-            else:
-                out[name] = chunk_reader.read((sample,) + (0,) * (array.ndim - 1))[0]
-        return out
+        return {name: self._chunk_readers[name].read((sample,) + (0,) * (array.ndim - 1))[0]
+                for name, array in self._arrays.items()}
 
     def _read(self, sample: int, begin: int, end: int) -> dict[str, torch.Tensor]:
         """Rows [begin, end) of ``sample`` (tokens: begin..end inclusive) as torch tensors."""

@@ -77,6 +77,11 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
     total = int(index.sequence_lengths.sum())
     if total == 0:
         raise ValueError(f"indexed dataset {prefix} holds no tokens")
+    size, needed = paths[1].stat().st_size, total * index.dtype_size
+    if size < needed:
+        raise ValueError(f"{paths[1]} holds {size} bytes but {paths[0]} describes {total} tokens of "
+                         f"{np.dtype(index.dtype).name} ({needed} bytes): the .bin is truncated or belongs to "
+                         "another .idx")
     # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
     stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
     return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=file_digest(paths),
@@ -117,6 +122,9 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
                 text = json.loads(line)[text_key]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a JSON object with a {text_key!r} string ({exc})") from exc
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{number}: {text_key!r} holds {type(text).__name__} {text!r:.40}, "
+                                 "expected a string")
             ids.extend(encode(text))
             if eos is not None:
                 ids.append(eos)

@@ -7,7 +7,12 @@ shards, so no two writers touch one file. Global rank 0 alone creates the store 
 
 Resume: a shard is processed from its samples alone, in micro-batches that never cross a shard, so a shard
 redone after a kill is bit-identical to the first attempt; a restart with the same settings skips the shards
-marked done. A store with other settings at the path is refused unless ``overwrite``.
+marked done and first deletes the temporaries a kill left between zarr's write and rename. A store with other
+settings at the path is replaced only with ``overwrite``; a path holding anything that is not a store of this
+project (a user's folder or file) is never written into nor deleted.
+
+One run at a time: every process holds the store's writers' lock (``lock.py``) for the whole run, so a second run
+on the same store is refused while any process of the first lives.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 import zarr
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.lock import WriterLock
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk
@@ -65,39 +71,68 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _on_rank0(fn, *args):
-    """Runs ``fn`` on global rank 0; its ValueError/OSError is raised on every rank (no rank left waiting)."""
+def _agreed(fn, *args, everywhere: bool = False):
+    """``fn(*args)`` on global rank 0 (``everywhere``: on every rank), its result returned there; a ValueError or
+    OSError of any rank is raised on every rank (no rank left waiting)."""
     rank, world = _world()
-    outcome = [None]
-    if rank == 0:
+    result, failure = None, None
+    if everywhere or rank == 0:
         try:
-            fn(*args)
+            result = fn(*args)
         except (ValueError, OSError) as exc:
             if world == 1:
                 raise
-            outcome = [(isinstance(exc, OSError), str(exc))]
+            failure = (isinstance(exc, OSError), str(exc))
     if world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        is_os_error, message = outcome[0]
+        failures = [None] * world
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        if result is not None and hasattr(result, "release"):
+            result.release()
+        is_os_error, message = failure
         raise (OSError if is_os_error else ValueError)(message)
+    return result
 
 
-def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> None:
-    """Creates the store, or keeps an existing one with exactly ``spec`` (resume); other settings need overwrite."""
-    if output.exists():
+def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
+    """Creates the store, or keeps an existing one with exactly ``spec`` (resume, leftover temporaries deleted);
+    returns its writers' lock, held exclusively by this process.
+
+    A store of this project with other settings (or damaged) is replaced only with ``overwrite``; a path that is
+    not a store of this project (a folder with other files, a regular file, a link) is refused, ``overwrite`` or
+    not, naming what it holds; an empty folder is used. A live writer of the store is refused (ValueError).
+    """
+    if output.is_dir() and not output.is_symlink() and not any(output.iterdir()):
+        output.rmdir()
+    if output.exists() or output.is_symlink():
+        foreign = fmt.foreign_entries(output)
+        if foreign:
+            listed = "; ".join(foreign[:3]) + (f"; and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ValueError(f"{output} is not a cache store written by this tool ({listed}): refusing to write into"
+                             f" it{' or replace it (--overwrite replaces only such stores)' if overwrite else ''};"
+                             " choose another --output, or move it away yourself")
+        lock = WriterLock(output).exclusive()
         try:
-            differences = spec.differences(fmt.CacheSpec.from_attrs(dict(zarr.open_group(output, mode="r").attrs)))
-        except Exception as exc:  # noqa: BLE001  (not a store of ours, whatever the reason)
-            differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
-        if not differences:
-            return
-        if not overwrite:
-            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
-            raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
-                             "--overwrite to replace it, or choose another --output")
-        shutil.rmtree(output) if output.is_dir() else output.unlink()
+            try:
+                differences = spec.differences(fmt.open_store(output)[1])
+            except ValueError as exc:
+                differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
+            if not differences:
+                fmt.remove_partials(output)
+                return lock
+            if not overwrite:
+                listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}"
+                                   for key, (new, old) in differences.items())
+                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
+                                 "--overwrite to replace it, or choose another --output")
+            shutil.rmtree(output)
+        except BaseException:
+            lock.release()
+            raise
+        lock.release()                                   # the lock of the deleted store
     fmt.create_store(output, spec)
+    return WriterLock(output).exclusive()
 
 
 def check_vocab(source: TokenWindows, vocab_size: int) -> None:
@@ -196,34 +231,19 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
     group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
 
 
-def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
-                temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
-                samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
-                mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
-                progress: bool = True, after_shards: Callable[[], None] | None = None) -> WriteStats:
-    """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
+def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
+    """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in)."""
+    return prepare_store(output, spec, overwrite).shared()
 
-    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
 
-    ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
-    TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
-    nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
-    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
-    :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that
-    do not fit the vocabulary, and on a store with other settings at ``output``.
-    """
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    output = pathlib.Path(output)
-    spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
-                         temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
-                         fingerprint=source.fingerprint, logprob_codec=logprob_codec,
-                         samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
-                         proposal_temperature=proposal_temperature, sample_seed=sample_seed)
-    check_vocab(source, vocab_size)
-    _on_rank0(prepare_store, output, spec, overwrite)
-    _barrier()
+def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
+    """Rank 0's shared lock; every other rank takes its own (after rank 0's turned shared)."""
+    return lock if lock is not None else WriterLock(output).shared()
+
+
+def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, logits_fn: LogitsFn, *,
+                  micro_batch_size: int, tp_group, dp_rank: int, dp_size: int, progress: bool) -> WriteStats:
+    """Computes this rank's shards not marked done and, on TP rank 0, writes them."""
     group = zarr.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     writes = tp_rank == 0
@@ -251,9 +271,46 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
             group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
-    if after_shards is not None:
-        after_shards()
-    _barrier()
-    _on_rank0(finish, output, spec)
-    _barrier()
+    return stats
+
+
+def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
+                temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
+                samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
+                mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
+                overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                progress: bool = True, after_shards: Callable[[], None] | None = None) -> WriteStats:
+    """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
+
+    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
+
+    ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
+    TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
+    nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
+    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
+    :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at ``output`` (without
+    ``overwrite``), on anything at ``output`` that is not a store of this project, and while another run writes
+    the store; OSError naming ``output`` when it cannot be created or the disk fills.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    output = pathlib.Path(output)
+    spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
+                         temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
+                         fingerprint=source.fingerprint, logprob_codec=logprob_codec,
+                         samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
+                         proposal_temperature=proposal_temperature, sample_seed=sample_seed)
+    check_vocab(source, vocab_size)
+    lock = _agreed(_prepare_shared, output, spec, overwrite)
+    lock = _agreed(_join_shared, output, lock, everywhere=True)
+    try:
+        stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,
+                              tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size, progress=progress)
+        if after_shards is not None:
+            after_shards()
+        _barrier()
+        _agreed(finish, output, spec)
+        _barrier()
+    finally:
+        lock.release()
     return stats
