@@ -27,8 +27,8 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab-parallel
     lm_head shard, padded rows included; the full vocab without TP), teacher_ids int [s, b, K] global ids,
     teacher_logprobs float [s, b, K] (log-probs over the teacher's full vocab; -inf marks a padding slot),
-    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids; needed iff
-    alpha < 1; when given, CE is formed and reported), sample_weights float [s, b, K] (required iff
+    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids, -100 = no CE term
+    for that token; needed iff alpha < 1; when given, CE is formed and reported), sample_weights float [s, b, K] (required iff
     tail="sampled": the slots are ids drawn from the teacher, repeats allowed, and sample_weights their importance
     weights; the loss is then an unbiased estimate of the full-vocab forward KL). The options are those of ``KDLossOptions``; the math is in
     ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels takes the K-rows fast path.
@@ -52,7 +52,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     k = teacher_ids.shape[-1]
     num_tokens = torch.count_nonzero(loss_mask).to(torch.int64)
     flat_weights = None if sample_weights is None else sample_weights.reshape(-1, k)
-    mass = teacher_mass(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(dtype), flat_weights)
+    mass = teacher_mass(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).double(), flat_weights).to(dtype)
     teacher_mass_sum = torch.where(loss_mask.reshape(-1) != 0, mass, 0.0).sum()
     if options.impl == "dense":
         sums = dense_topk_kl(hidden2d, weight, teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),

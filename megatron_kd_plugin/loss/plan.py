@@ -55,14 +55,20 @@ def use_triton_kernels(kernels: str, hidden: torch.Tensor) -> bool:
 
 
 class KDBatch(NamedTuple):
-    """Per-token inputs, flattened to T = s * b tokens in [s, b] order."""
+    """Per-token inputs, flattened to T = s * b tokens in [s, b] order: what the loss keeps for the whole call
+    (~10 bytes per teacher slot: int32 local id, the bucket log-prob, two bools)."""
 
     teacher: TeacherBuckets      # [T, K]
-    local_ids: torch.Tensor      # [T, K] int64 shard-local ids (clamped)
+    local_ids: torch.Tensor      # [T, K] int32 shard-local ids (clamped), the teacher's sorted slot order
     local_valid: torch.Tensor    # [T, K] bool: a bucket whose id lies in this shard
     weight: torch.Tensor         # [T] loss_mask in the accumulation dtype
     local_label: torch.Tensor | None   # [T] int64 shard-local label (clamped)
     label_local: torch.Tensor | None   # [T] bool: the label lies in this shard
+    has_label: torch.Tensor | None     # [T] bool: the label is not IGNORE_INDEX (it has a CE term)
+
+
+IGNORE_INDEX = -100
+"""A label equal to this (Hugging Face's and PyTorch's ``ignore_index``) has no CE term; the token's KD term counts."""
 
 
 def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -71,16 +77,18 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
     """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab)."""
     k = teacher_ids.shape[-1]
     options, shard = plan.options, plan.shard
-    teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(plan.dtype),
-                              tail=options.tail, temperature=options.temperature, vocab_size=shard.vocab_size,
-                              sample_weights=None if sample_weights is None else sample_weights.reshape(-1, k))
-    local_ids, local_valid = shard_local(teacher.ids, teacher.valid, shard.vocab_start, shard.vocab_end)
-    local_label = label_local = None
+    ids, teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k), tail=options.tail,
+                                   temperature=options.temperature, vocab_size=shard.vocab_size, dtype=plan.dtype,
+                                   sample_weights=None if sample_weights is None else sample_weights.reshape(-1, k))
+    local_ids, local_valid = shard_local(ids, teacher.valid, shard.vocab_start, shard.vocab_end)
+    del ids
+    weight = loss_mask.reshape(-1).to(plan.dtype)
+    local_label = label_local = has_label = None
     if labels is not None:
         flat = labels.reshape(-1).long()
-        local_label, label_local = shard_local(flat, torch.ones_like(flat, dtype=torch.bool), shard.vocab_start,
-                                               shard.vocab_end)
-    return KDBatch(teacher, local_ids, local_valid, loss_mask.reshape(-1).to(plan.dtype), local_label, label_local)
+        has_label = flat != IGNORE_INDEX
+        local_label, label_local = shard_local(flat, has_label, shard.vocab_start, shard.vocab_end)
+    return KDBatch(teacher, local_ids.to(torch.int32), local_valid, weight, local_label, label_local, has_label)
 
 
 def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -23,7 +23,8 @@ def _slots(local_ids: torch.Tensor, values: torch.Tensor, vocab_local: int) -> t
     crow = torch.arange(0, num_tokens * k + 1, k, device=local_ids.device)
     with warnings.catch_warnings():                          # "sparse CSR support is in beta state"
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1), values.reshape(-1), (num_tokens, vocab_local))
+        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1).long(), values.reshape(-1),
+                                       (num_tokens, vocab_local))
 
 
 class _RenormRowsKL(torch.autograd.Function):
