@@ -21,7 +21,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
                  jsd_beta: float = 0.5, temperature: float = 1.0, alpha: float = 1.0, impl: str = "fused",
                  mode: str = "recompute", kernels: str = "auto", chunk_bytes: int | None = None, tp_group=None,
                  sequence_parallel: bool = False, validate: bool = True, mass_tolerance: float = 1e-2,
-                 sample_weights: torch.Tensor | None = None) -> KDLossResult:
+                 sample_weights: torch.Tensor | None = None, accumulate_main_grad: bool = True) -> KDLossResult:
     """Top-K knowledge-distillation loss of a student lm_head against a cached teacher top-K, summed over tokens.
 
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab-parallel
@@ -35,6 +35,10 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     ``kernels`` picks the fused loss's per-chunk backend (Triton kernels or PyTorch; see ``KDLossOptions``).
     Every TP rank returns the same sums (like megatron's vocab-parallel cross entropy); hidden's gradient is
     all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings.
+    ``accumulate_main_grad``: when the weight carries megatron-core DDP's fp32 ``main_grad``, the fused loss (and the
+    renorm K-rows path) adds dW to it in fp32 and marks it added (``grad_added_to_main_grad``), as megatron's own
+    layers do with gradient_accumulation_fusion, instead of returning a bf16 dW for DDP to add
+    (``megatron_kd_plugin.loss.main_grad``); False always returns dW. The references ignore it.
     """
     options = KDLossOptions(tail=tail, divergence=divergence, jsd_beta=jsd_beta, temperature=temperature,
                             alpha=alpha, impl=impl, mode=mode, kernels=kernels, chunk_bytes=chunk_bytes,
@@ -62,7 +66,8 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
         rows_path = options.tail == "renorm" and labels is None
         triton = options.impl == "fused" and not rows_path and use_triton_kernels(options.kernels, hidden2d)
         plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=labels is not None, triton=triton,
-                        logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None)
+                        logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None,
+                        accumulate_main_grad=accumulate_main_grad)
         batch = prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, labels, sample_weights)
         if options.impl == "forward_chunked":
             sums = forward_chunked_topk_kl(hidden2d, weight, plan, batch)

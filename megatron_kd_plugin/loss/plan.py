@@ -29,6 +29,9 @@ class LossPlan:
     """Fused loss: the chunks go through the Triton kernels (``options.kernels`` resolved by ``use_triton_kernels``)."""
     logits_dtype: torch.dtype | None = None
     """dtype of the [c, V/tp] logits chunk (the chunk GEMM's output); None: ``dtype``."""
+    accumulate_main_grad: bool = False
+    """Fused loss: accumulate dW into the weight's ``main_grad`` (megatron-core DDP's buffer) when it has one of the
+    accumulation dtype, instead of returning it (``main_grad.py``)."""
 
     def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the
