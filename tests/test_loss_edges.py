@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_kd_plugin.loss import topk_kd_loss
-from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case, one_thread,  # noqa: F401
-                                     rel_err, run_loss)
+from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case,  # noqa: F401
+                                     make_small_tail_case, one_thread, rel_err, run_loss)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,31 +47,16 @@ def test_saturated_teacher_reproducer():
     assert topk_kd_loss(x, w, torch.tensor([[[0]]]), torch.tensor([[[0.0]]]), kernels="torch").loss_sum == 0
 
 
-def _tail_case(tail_mass: float):
-    """4 x 50 tokens, V=64, K=4: slots 1-3 hold fp32-exact log-probs around -7.5, slot 0 the rest of 1 - tail_mass,
-    rounded to fp32 (its rounding moves the tail by < 2e-10)."""
-    case = make_case(s=4, b=50, hidden_size=16, vocab=64, k=4, dtype=torch.float32, duplicates=False, padding=False,
-                     mask_sequence=False)
-    gen = torch.Generator().manual_seed(5)
-    small = torch.tensor([-7.0, -7.5, -8.0, -8.5], dtype=torch.float64)[torch.randint(0, 4, (4, 50, 3),
-                                                                                       generator=gen)]
-    head = torch.log1p(-tail_mass - small.exp().sum(-1, keepdim=True))
-    case["teacher_logprobs"] = torch.cat([head, small], -1).float()
-    true_tail = 1.0 - case["teacher_logprobs"].double().exp().sum(-1)
-    assert (true_tail - tail_mass).abs().max() < 0.2 * tail_mass
-    return case
-
-
 def test_reverse_kl_ghost_tail_below_float32_resolution():
     """True teacher tail 1e-8 (m rounds to 1 in fp32): reverse KL with the ghost tail is finite with finite
     gradients, equal to float64 teacher math on the same inputs, in every path."""
-    _assert_matches(_tail_case(1e-8), dict(tail="ghost", divergence="reverse_kl"), rtol=1e-5)
+    _assert_matches(make_small_tail_case(1e-8), dict(tail="ghost", divergence="reverse_kl"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [2.0, 4.0])
 def test_tempered_ghost_tail_below_float32_resolution(temperature):
     """Tail 1e-9, tau = 2 and 4 (tempering amplifies the error of 1 - m): forward KL and JSD equal float64."""
-    case = _tail_case(1e-9)
+    case = make_small_tail_case(1e-9)
     for divergence in ("forward_kl", "jsd"):
         _assert_matches(case, dict(tail="ghost", divergence=divergence, temperature=temperature), rtol=1e-5)
 

@@ -116,3 +116,18 @@ SATURATED_COMBOS = [("ghost", "forward_kl"), ("ghost", "jsd"), ("none", "forward
                     ("renorm", "reverse_kl"), ("renorm", "jsd")]
 """Every tail x divergence whose float64 value is finite on ``make_saturated_case`` (ghost reverse KL is +inf in
 exact arithmetic there: a zero teacher tail against a student tail that float64 still holds)."""
+
+
+def make_small_tail_case(tail_mass: float):
+    """4 x 50 tokens, V=64, K=4: slots 1-3 hold fp32-exact log-probs around -7.5, slot 0 the rest of 1 - tail_mass,
+    rounded to fp32 (its rounding moves the tail by < 2e-10). Issue 15, item 8."""
+    case = make_case(s=4, b=50, hidden_size=16, vocab=64, k=4, dtype=torch.float32, duplicates=False, padding=False,
+                     mask_sequence=False)
+    gen = torch.Generator().manual_seed(5)
+    small = torch.tensor([-7.0, -7.5, -8.0, -8.5], dtype=torch.float64)[torch.randint(0, 4, (4, 50, 3),
+                                                                                       generator=gen)]
+    head = torch.log1p(-tail_mass - small.exp().sum(-1, keepdim=True))
+    case["teacher_logprobs"] = torch.cat([head, small], -1).float()
+    true_tail = 1.0 - case["teacher_logprobs"].double().exp().sum(-1)
+    assert (true_tail - tail_mass).abs().max() < 0.2 * tail_mass
+    return case
