@@ -27,6 +27,7 @@ VARIANTS = ("dense", "megatron_peer", "forward_chunked", "fused_recompute", "fus
 FLOOR_OF = {"fused_grad_in_forward": "floor_3mm", "fused_recompute": "floor_4mm", "forward_chunked": "floor_3mm",
             "megatron_peer": "floor_3mm", "dense": "floor_3mm"}
 GPT_OSS = dict(tokens=131_072, hidden=2880, vocab=201_088, k=100)
+WARMUP_TOKENS = 64
 
 
 def _peak_rss_bytes() -> int:
@@ -109,6 +110,7 @@ def child(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _run_variant(args.child, args, *_inputs(args, WARMUP_TOKENS))        # imports, thread pools: not the loss's
     inputs = _inputs(args, args.tokens)
     gc.collect()
     base = psutil.Process().memory_info().rss

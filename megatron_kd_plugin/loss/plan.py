@@ -77,21 +77,36 @@ IGNORE_INDEX = -100
 def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
                   loss_mask: torch.Tensor, labels: torch.Tensor | None,
                   sample_weights: torch.Tensor | None = None) -> KDBatch:
-    """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab)."""
+    """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab). The teacher's float64 math
+    runs over blocks of tokens (``_teacher_block_tokens``), so its temporaries stay within the chunk budget."""
     k = teacher_ids.shape[-1]
     options, shard = plan.options, plan.shard
-    ids, teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k), tail=options.tail,
-                                   temperature=options.temperature, vocab_size=shard.vocab_size, dtype=plan.dtype,
-                                   sample_weights=None if sample_weights is None else sample_weights.reshape(-1, k))
-    local_ids, local_valid = shard_local(ids, teacher.valid, shard.vocab_start, shard.vocab_end)
-    del ids
+    ids, logprobs = teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k)
+    weights = None if sample_weights is None else sample_weights.reshape(-1, k)
+    step = _teacher_block_tokens(plan, k, teacher_ids.device)
+    blocks = []
+    for start in range(0, max(ids.shape[0], 1), step):
+        rows = slice(start, start + step)
+        sorted_ids, teacher = teacher_buckets(ids[rows], logprobs[rows], tail=options.tail,
+                                              temperature=options.temperature, vocab_size=shard.vocab_size,
+                                              dtype=plan.dtype, sample_weights=None if weights is None else weights[rows])
+        local_ids, local_valid = shard_local(sorted_ids, teacher.valid, shard.vocab_start, shard.vocab_end)
+        blocks.append((teacher, local_ids.to(torch.int32), local_valid))
+    teacher = TeacherBuckets(*(torch.cat(parts) for parts in zip(*(block[0] for block in blocks), strict=True)))
+    local_ids, local_valid = (torch.cat([block[i] for block in blocks]) for i in (1, 2))
+    del blocks
     weight = loss_mask.reshape(-1).to(plan.dtype)
     local_label = label_local = has_label = None
     if labels is not None:
         flat = labels.reshape(-1).long()
         has_label = flat != IGNORE_INDEX
         local_label, label_local = shard_local(flat, has_label, shard.vocab_start, shard.vocab_end)
-    return KDBatch(teacher, local_ids.to(torch.int32), local_valid, weight, local_label, label_local, has_label)
+    return KDBatch(teacher, local_ids, local_valid, weight, local_label, label_local, has_label)
+
+
+def _teacher_block_tokens(plan: LossPlan, k: int, device: torch.device) -> int:
+    """Tokens per block of the teacher's float64 math: ~16 float64 [tokens, K] temporaries within the chunk budget."""
+    return max(1, plan.options.budget_bytes(device) // (16 * 8 * k))
 
 
 def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
