@@ -35,8 +35,8 @@ def _assert_matches(case, options, rtol):
 
 @pytest.mark.parametrize("tail,divergence", SATURATED_COMBOS)
 def test_saturated_teacher_and_underflowing_student_tail(tail, divergence):
-    """Teacher top-K mass 1 in fp32, student tail exp(-200 / 1.3) = 0 in fp32: 0 log 0 is 0, not NaN, in every path (the renorm
-    K-rows path included: tail='renorm' without labels), loss and gradients equal to float64."""
+    """Teacher top-K mass 1 in fp32, student tail exp(-200 / 1.3) = 0 in fp32: 0 log 0 is 0, not NaN, in every
+    path (the renorm K-rows path included: tail='renorm' without labels), loss and gradients equal to float64."""
     _assert_matches(make_saturated_case(), dict(tail=tail, divergence=divergence, temperature=1.3), rtol=1e-5)
 
 

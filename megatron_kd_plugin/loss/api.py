@@ -27,11 +27,13 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab-parallel
     lm_head shard, padded rows included; the full vocab without TP), teacher_ids int [s, b, K] global ids,
     teacher_logprobs float [s, b, K] (log-probs over the teacher's full vocab; -inf marks a padding slot),
-    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids, -100 = no CE term
-    for that token; needed iff alpha < 1; when given, CE is formed and reported), sample_weights float [s, b, K] (required iff
-    tail="sampled": the slots are ids drawn from the teacher, repeats allowed, and sample_weights their importance
-    weights; the loss is then an unbiased estimate of the full-vocab forward KL). The options are those of ``KDLossOptions``; the math is in
-    ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels takes the K-rows fast path.
+    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids, -100 = no CE
+    term for that token; needed iff alpha < 1; when given, CE is formed and reported), sample_weights float
+    [s, b, K] (required iff tail="sampled": the slots are ids drawn from the teacher, repeats allowed, and
+    sample_weights their importance weights; the loss is then an unbiased estimate of the full-vocab forward KL).
+    An empty batch (s = 0 or b = 0) gives zero sums and zero gradients. The options are those of
+    ``KDLossOptions``; the math is in ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels
+    takes the K-rows fast path.
     ``kernels`` picks the fused loss's per-chunk backend (Triton kernels or PyTorch; see ``KDLossOptions``).
     Every TP rank returns the same sums (like megatron's vocab-parallel cross entropy); hidden's gradient is
     all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings.

@@ -89,7 +89,8 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
         rows = slice(start, start + step)
         sorted_ids, teacher = teacher_buckets(ids[rows], logprobs[rows], tail=options.tail,
                                               temperature=options.temperature, vocab_size=shard.vocab_size,
-                                              dtype=plan.dtype, sample_weights=None if weights is None else weights[rows])
+                                              dtype=plan.dtype,
+                                              sample_weights=None if weights is None else weights[rows])
         local_ids, local_valid = shard_local(sorted_ids, teacher.valid, shard.vocab_start, shard.vocab_end)
         blocks.append((teacher, local_ids.to(torch.int32), local_valid))
     teacher = TeacherBuckets(*(torch.cat(parts) for parts in zip(*(block[0] for block in blocks), strict=True)))
