@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_kd_plugin.loss import topk_kd_loss
 from tests.test_loss_helpers import make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
 
 SHAPE = dict(s=4, b=6, hidden_size=32, vocab=256, k=5)
@@ -44,8 +45,6 @@ def _fused_into_main_grad(case, prior, **options):
     weight = case["weight"].clone().requires_grad_()
     weight.main_grad = prior.clone()
     weight.grad_added_to_main_grad = False
-    from megatron_kd_plugin.loss import topk_kd_loss
-
     with _LargeAllocations(weight.numel(), [weight, weight.main_grad, hidden]) as allocations:
         result = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"],
                               loss_mask=case["loss_mask"], labels=case["labels"], chunk_bytes=CHUNK, kernels="torch",
@@ -73,6 +72,12 @@ def test_dw_accumulates_into_fp32_main_grad(mode, held):
     assert weight.grad is None or weight.grad.data_ptr() == weight.data_ptr()      # a placeholder, not a dW
     assert rel_err(d_hidden, ref_dh) < 1e-2                                          # dX is rounded to bf16
     assert len(allocations) == held and all(dtype == torch.float32 for _, _, dtype in allocations), allocations
+    before = weight.detach().clone()
+    again = topk_kd_loss(weight=weight, hidden=case["hidden"].clone().requires_grad_(), mode=mode,
+                         **{key: case[key] for key in ("teacher_ids", "teacher_logprobs", "loss_mask", "labels")},
+                         chunk_bytes=CHUNK, kernels="torch", **options)
+    again.loss_sum.backward()                              # no DDP hook dropped the first placeholder
+    assert torch.equal(weight.detach(), before) and rel_err(weight.main_grad - prior, 2 * ref_dw) < 2e-6
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -94,8 +99,6 @@ def ddp_main_grad_on_rank(group, rank: int, size: int) -> dict:
     and whether DDP's hook cleared the placeholder. Run by tests/test_loss_tp.py's spawn (one spawn for all)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
-
-    from megatron_kd_plugin.loss import topk_kd_loss
 
     case = make_case(**SHAPE, dtype=torch.bfloat16)
     _, _, ref_dw = _reference(case)

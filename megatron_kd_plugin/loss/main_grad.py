@@ -10,8 +10,9 @@ drops ``param.grad`` (``distributed_data_parallel.py``, ``_make_backward_post_ho
 The fused loss does the same, without apex and whatever ``gradient_accumulation_fusion`` says (it needs no fused
 kernel): dW is accumulated in fp32 into ``main_grad``, never rounded to the weight's bf16 nor held in a second
 [V/tp, H] buffer. Its placeholder costs no memory: a detached alias of the weight (DDP discards it unread), or None
-for a tied weight (the embedding's grad is then ``param.grad``, which DDP adds) and for a weight without the flag
-(megatron's convention without DDP's hook).
+for a tied weight (the embedding's grad is then ``param.grad``, which DDP adds), for a weight without the flag
+(megatron's convention without DDP's hook), and when ``weight.grad`` is still set (nothing dropped the previous
+placeholder: autograd would add the new one into it in place, i.e. into the weight).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class MainGrad:
         if not hasattr(self.weight, "grad_added_to_main_grad"):
             return None
         self.weight.grad_added_to_main_grad = True
-        return None if getattr(self.weight, "zero_out_wgrad", False) else self.weight.detach()
+        if getattr(self.weight, "zero_out_wgrad", False) or self.weight.grad is not None:
+            return None             # a grad still there (no DDP hook dropped it) would be accumulated in place
+        return self.weight.detach()
 
 
 def main_grad_of(weight: torch.Tensor, dtype: torch.dtype, enabled: bool) -> MainGrad | None:
