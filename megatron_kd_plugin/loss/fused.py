@@ -100,7 +100,7 @@ def _grad_buffers(plan: LossPlan, hidden: torch.Tensor, weight: torch.Tensor, ge
 class _FusedTopKKL(torch.autograd.Function):
     """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum).
 
-    dW goes into ``weight.main_grad`` (megatron-core DDP's convention, ``main_grad``) when ``plan.accumulate_main_grad``
+    dW goes into ``weight.main_grad`` (megatron-core DDP's convention, ``main_grad.py``) when ``plan.accumulate_main_grad``
     finds one; ``recompute`` then accumulates each chunk's dW there directly, ``grad_in_forward`` adds its held dW
     scaled by the incoming gradient in backward."""
 
