@@ -13,7 +13,8 @@ import torch
 from megatron_kd_plugin.kernels import reference
 from megatron_kd_plugin.loss.chunk_backends import TorchChunks
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import COMBOS, make_case, make_sampled_case, rel_err, run_loss
+from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_sampled_case,
+                                     make_saturated_case, make_small_tail_case, rel_err, run_loss)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 45                                  # odd; crosses the interpreter's 32-column tiles and 48-column splits
@@ -82,6 +83,21 @@ def test_triton_fused_k_equals_v():
     for tail, divergence in (("ghost", "forward_kl"), ("ghost", "jsd"), ("none", "forward_kl")):
         options = dict(tail=tail, divergence=divergence, temperature=1.3, alpha=0.5, with_labels=True)
         assert _errors(low, exact, options, chunk_bytes=1) < 1e-5, options
+
+
+def test_triton_fused_edges():
+    """Issue 15 items 7-8 on the kernels: a saturated teacher against an fp32-underflowing student tail (renorm with
+    the CE mix, so that it takes the chunk loop) and a ghost reverse KL whose teacher tail (1e-8) is below fp32's
+    resolution: finite, and equal to float64."""
+    low, exact = _on_device(make_saturated_case(), torch.float32)
+    for tail, divergence in SATURATED_COMBOS:
+        options = dict(tail=tail, divergence=divergence, temperature=1.3)
+        if tail == "renorm":
+            options.update(alpha=0.5, with_labels=True)
+        assert _errors(low, exact, options, chunk_bytes=4 * 8 * 4) < 1e-5, options
+    tail_case = {key: value[:, :4] for key, value in make_small_tail_case(1e-8).items() if key != "weight"}
+    low, exact = _on_device(dict(tail_case, weight=make_small_tail_case(1e-8)["weight"]), torch.float32)
+    assert _errors(low, exact, dict(tail="ghost", divergence="reverse_kl"), chunk_bytes=8 * 64 * 4) < 1e-5
 
 
 def test_triton_fused_bf16_inputs():

@@ -92,3 +92,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def make_saturated_case(dtype=torch.float32):
+    """2 x 5 tokens, H = V = 8, W = I. Tokens 0 and 3 have a teacher whose top-K mass is exactly 1 (log-prob 0 on one
+    id, the other slot padding) and a student logit of 200 on that id, so the student's tail underflows to 0 in fp32
+    (exp(-200 / tau) for tau < 2.3); the other tokens are ordinary. Issue 15, item 7."""
+    gen = torch.Generator().manual_seed(7)
+    s, b, v, k = 2, 5, 8, 2
+    hidden = torch.randn(s, b, v, generator=gen, dtype=torch.float64) * 2
+    logprobs, ids = (torch.randn(s, b, v, generator=gen, dtype=torch.float64) * 2).log_softmax(-1).topk(k, dim=-1)
+    for token in (0, 3):
+        row, col = divmod(token, b)
+        hidden[row, col] = 0.0
+        hidden[row, col, ids[row, col, 0]] = 200.0
+        logprobs[row, col] = torch.tensor([0.0, -torch.inf], dtype=torch.float64)
+    return dict(hidden=hidden.to(dtype), weight=torch.eye(v, dtype=dtype), teacher_ids=ids.to(torch.int32),
+                teacher_logprobs=logprobs.to(dtype), loss_mask=torch.ones(s, b, dtype=torch.float64),
+                labels=torch.randint(0, v, (s, b), generator=gen))
+
+
+SATURATED_COMBOS = [("ghost", "forward_kl"), ("ghost", "jsd"), ("none", "forward_kl"), ("renorm", "forward_kl"),
+                    ("renorm", "reverse_kl"), ("renorm", "jsd")]
+"""Every tail x divergence whose float64 value is finite on ``make_saturated_case`` (ghost reverse KL is +inf in
+exact arithmetic there: a zero teacher tail against a student tail that float64 still holds)."""
+
+
+def make_small_tail_case(tail_mass: float):
+    """4 x 50 tokens, V=64, K=4: slots 1-3 hold fp32-exact log-probs around -7.5, slot 0 the rest of 1 - tail_mass,
+    rounded to fp32 (its rounding moves the tail by < 2e-10). Issue 15, item 8."""
+    case = make_case(s=4, b=50, hidden_size=16, vocab=64, k=4, dtype=torch.float32, duplicates=False, padding=False,
+                     mask_sequence=False)
+    gen = torch.Generator().manual_seed(5)
+    small = torch.tensor([-7.0, -7.5, -8.0, -8.5], dtype=torch.float64)[torch.randint(0, 4, (4, 50, 3),
+                                                                                       generator=gen)]
+    head = torch.log1p(-tail_mass - small.exp().sum(-1, keepdim=True))
+    case["teacher_logprobs"] = torch.cat([head, small], -1).float()
+    true_tail = 1.0 - case["teacher_logprobs"].double().exp().sum(-1)
+    assert (true_tail - tail_mass).abs().max() < 0.2 * tail_mass
+    return case

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tests.distributed import run_on_ranks
 from tests.test_loss_helpers import make_case, make_sampled_case, rel_err, run_loss
+from tests.test_loss_main_grad import ddp_main_grad_on_rank
 
 REAL_VOCAB, PADDED_VOCAB = 45, 48                  # megatron pads the vocab to a multiple of tp (x 128 in practice)
 
@@ -69,11 +70,16 @@ def _tp2_and_tp4():
                    parallel_state.get_tensor_model_parallel_world_size(), k=14)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]      # every rank creates every group, in order
     tp2 = _tp_body(pairs[rank // 2], rank % 2, 2, k=9)
-    return {"tp4": tp4, "tp2": tp2}
+    ddp = ddp_main_grad_on_rank(pairs[rank // 2], rank % 2, 2)
+    return {"tp4": tp4, "tp2": tp2, "ddp": ddp}
 
 
 def test_tensor_parallel_equals_single_process():
+    """Also, in the same spawn: dW into megatron-core DDP's fp32 main_grad at TP=2 (tests/test_loss_main_grad.py)
+    equals the float64 reference to fp32 rounding, and DDP's hook drops the placeholder grad."""
     for rank, result in enumerate(run_on_ranks(4, _tp2_and_tp4, tp=4)):
-        for name, errors in result.items():
-            bad = {CONFIGS[i]["impl"] + str(i): e for i, e in errors.items() if not e < 1e-9}
+        for name in ("tp4", "tp2"):
+            bad = {CONFIGS[i]["impl"] + str(i): e for i, e in result[name].items() if not e < 1e-9}
             assert not bad, f"{name} rank {rank}: {bad}"
+        for mode, (error, grad_dropped) in result["ddp"].items():
+            assert error < 2e-6 and grad_dropped, (rank, mode, error, grad_dropped)

@@ -9,7 +9,12 @@ Each variant runs in its own child process with big allocations forced through m
 Variants: dense, forward_chunked and fused (both modes) from megatron_kd_plugin.loss (ghost forward KL), the
 megatron-core peer ``megatron.training.distillation.cached_logits_loss.topk_kl_div`` (ghost, fed full logits
 from an autograd X W^T), the renorm K-rows fast path, and the matmul-only floors: the chunked X W^T, G W, G^T X
-products alone (``floor_3mm``, the floor of grad_in_forward) plus the recompute product (``floor_4mm``).
+products alone (``floor_3mm``, the floor of grad_in_forward) plus the recompute product (``floor_4mm``), and
+``teacher_side``: the loss's per-token preparation alone (the teacher buckets in float64, shard-local ids), whose
+time is part of every fused variant's. Before its baseline each child runs its variant once on 64 tokens (imports,
+thread pools). The memory floor of the fused variants (``floor GiB``) is what they cannot avoid holding at once:
+one fp32 logits chunk + dX + dW (returned here: there is no DDP main_grad) + 12 B per teacher slot (int32 local id,
+fp32 bucket log-prob, flags; recompute keeps its fp32 support coefficients instead of dX, dW during forward).
 Ends with the analytic memory model at gpt-oss shapes.
 """
 
@@ -23,10 +28,11 @@ import sys
 import time
 
 VARIANTS = ("dense", "megatron_peer", "forward_chunked", "fused_recompute", "fused_grad_in_forward",
-            "renorm_rows", "floor_3mm", "floor_4mm")
+            "renorm_rows", "floor_3mm", "floor_4mm", "teacher_side")
 FLOOR_OF = {"fused_grad_in_forward": "floor_3mm", "fused_recompute": "floor_4mm", "forward_chunked": "floor_3mm",
             "megatron_peer": "floor_3mm", "dense": "floor_3mm"}
 GPT_OSS = dict(tokens=131_072, hidden=2880, vocab=201_088, k=100)
+WARMUP_TOKENS = 64
 
 
 def _peak_rss_bytes() -> int:
@@ -74,11 +80,21 @@ def _floor(hidden, weight, chunk, recompute):
 
 
 def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, loss_mask):
+    import torch
 
     from megatron_kd_plugin.loss import topk_kd_loss
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = args.chunk_bytes or DEFAULT_CHUNK_BYTES["cpu"]
+    if variant == "teacher_side":
+        from megatron_kd_plugin.loss.options import KDLossOptions
+        from megatron_kd_plugin.loss.plan import LossPlan, prepare_batch
+        from megatron_kd_plugin.loss.tp import resolve_shard
+
+        plan = LossPlan(options=KDLossOptions(chunk_bytes=args.chunk_bytes), shard=resolve_shard(None, args.vocab),
+                        dtype=torch.float32, with_labels=False)
+        prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, None)
+        return
     if variant.startswith("floor"):
         _floor(hidden, weight, max(1, chunk_bytes // (args.vocab * 4)), recompute=variant == "floor_4mm")
         return
@@ -109,6 +125,7 @@ def child(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _run_variant(args.child, args, *_inputs(args, WARMUP_TOKENS))        # imports, thread pools: not the loss's
     inputs = _inputs(args, args.tokens)
     gc.collect()
     base = psutil.Process().memory_info().rss
@@ -134,6 +151,16 @@ def _spawn(variant, tokens, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _memory_floor(variant: str, args, tokens: int) -> int | None:
+    """Bytes a fused variant must hold at its peak (module docstring); None for the others."""
+    if not variant.startswith("fused_"):
+        return None
+    from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
+
+    chunk_rows = max(1, (args.chunk_bytes or DEFAULT_CHUNK_BYTES["cpu"]) // (args.vocab * 4))
+    return 4 * (chunk_rows * args.vocab + tokens * args.hidden + args.vocab * args.hidden) + 12 * tokens * args.k
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:8.3f}"
 
@@ -151,10 +178,12 @@ def _memory_model(args) -> None:
         ("dense (reference)", "~6 T V 4B (logits, log q, teacher grid, grads)", lambda vp: 6 * t * v * 4),
         ("megatron_peer", "~3 T V/tp 4B (logits, exp, grad) + dX + dW", lambda vp: 3 * t * vp * 4 + (t + vp) * h * 4),
         ("forward_chunked", "2 T V/tp 4B (logits + grad) + dX + dW", lambda vp: 2 * t * vp * 4 + (t + vp) * h * 4),
-        ("fused (either mode)", "chunk_bytes + dX + dW + ~8 T K 4B (per-token)",
-         lambda vp: chunk + (t + vp) * h * 4 + 8 * t * k * 4),
-        ("renorm_rows", "chunk_bytes + dX + dW + ~8 T K 4B",
-         lambda vp: chunk + (t + vp) * h * 4 + 8 * t * k * 4),
+        ("fused (either mode)", "chunk_bytes + dX + dW + ~12 T K B (per-token)",
+         lambda vp: chunk + (t + vp) * h * 4 + 12 * t * k),
+        ("fused into main_grad", "recompute: chunk_bytes + dX + ~12 T K B (no dW)",
+         lambda vp: chunk + t * h * 4 + 12 * t * k),
+        ("renorm_rows", "dX + dW + ~8 T K 4B (sparse rows)",
+         lambda vp: (t + vp) * h * 4 + 8 * t * k * 4),
     ]
     for name, formula, fn in rows:
         print(f"{name:<24}{formula:<58}{_gib(fn(v))}{_gib(fn(v // 8))}")
@@ -193,12 +222,16 @@ def main(argv=None) -> None:
           f"{args.dtype}, {os.cpu_count()} cores, torch threads {args.threads or 'default'}, load average "
           f"{os.getloadavg()[0]:.1f}")
     dense = results.get(("dense", args.tokens))
-    print(f"{'variant':<24}{'peak GiB':>9}{'time s':>9}{'peak/dense':>12}{'time/dense':>12}{'time/floor':>12}")
+    print(f"{'variant':<24}{'peak GiB':>9}{'floor GiB':>10}{'peak/floor':>11}{'time s':>9}{'peak/dense':>12}"
+          f"{'time/dense':>12}{'time/floor':>12}")
     for variant in variants:
         r = results[variant, args.tokens]
         floor = results.get((FLOOR_OF.get(variant, ""), args.tokens))
+        memory_floor = _memory_floor(variant, args, args.tokens)
         ratio = lambda a, b: f"{a / b:12.3f}" if b and b == b and b > 0 else f"{'-':>12}"  # noqa: E731
-        print(f"{variant:<24}{_gib(r['peak'])} {r['seconds']:8.2f}"
+        print(f"{variant:<24}{_gib(r['peak'])}" + (f"{_gib(memory_floor)}  {ratio(r['peak'], memory_floor)[2:]}"
+                                                    if memory_floor else f"{'-':>10}{'-':>11}")
+              + f" {r['seconds']:8.2f}"
               f"{ratio(r['peak'], dense['peak'] if dense else None)}"
               f"{ratio(r['seconds'], dense['seconds'] if dense else None)}"
               f"{ratio(r['seconds'], floor['seconds'] if floor and variant in FLOOR_OF else None)}"

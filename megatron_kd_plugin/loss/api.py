@@ -21,20 +21,26 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
                  jsd_beta: float = 0.5, temperature: float = 1.0, alpha: float = 1.0, impl: str = "fused",
                  mode: str = "recompute", kernels: str = "auto", chunk_bytes: int | None = None, tp_group=None,
                  sequence_parallel: bool = False, validate: bool = True, mass_tolerance: float = 1e-2,
-                 sample_weights: torch.Tensor | None = None) -> KDLossResult:
+                 sample_weights: torch.Tensor | None = None, accumulate_main_grad: bool = True) -> KDLossResult:
     """Top-K knowledge-distillation loss of a student lm_head against a cached teacher top-K, summed over tokens.
 
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab-parallel
     lm_head shard, padded rows included; the full vocab without TP), teacher_ids int [s, b, K] global ids,
     teacher_logprobs float [s, b, K] (log-probs over the teacher's full vocab; -inf marks a padding slot),
-    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids; needed iff
-    alpha < 1; when given, CE is formed and reported), sample_weights float [s, b, K] (required iff
-    tail="sampled": the slots are ids drawn from the teacher, repeats allowed, and sample_weights their importance
-    weights; the loss is then an unbiased estimate of the full-vocab forward KL). The options are those of ``KDLossOptions``; the math is in
-    ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels takes the K-rows fast path.
+    loss_mask [s, b] (token weights, 0 = ignored; default all ones), labels int [s, b] (global ids, -100 = no CE
+    term for that token; needed iff alpha < 1; when given, CE is formed and reported), sample_weights float
+    [s, b, K] (required iff tail="sampled": the slots are ids drawn from the teacher, repeats allowed, and
+    sample_weights their importance weights; the loss is then an unbiased estimate of the full-vocab forward KL).
+    An empty batch (s = 0 or b = 0) gives zero sums and zero gradients. The options are those of
+    ``KDLossOptions``; the math is in ``megatron_kd_plugin.loss.token_math``. ``tail="renorm"`` without labels
+    takes the K-rows fast path.
     ``kernels`` picks the fused loss's per-chunk backend (Triton kernels or PyTorch; see ``KDLossOptions``).
     Every TP rank returns the same sums (like megatron's vocab-parallel cross entropy); hidden's gradient is
     all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings.
+    ``accumulate_main_grad``: when the weight carries megatron-core DDP's fp32 ``main_grad``, the fused loss (and the
+    renorm K-rows path) adds dW to it in fp32 and marks it added (``grad_added_to_main_grad``), as megatron's own
+    layers do with gradient_accumulation_fusion, instead of returning a bf16 dW for DDP to add
+    (``megatron_kd_plugin.loss.main_grad``); False always returns dW. The references ignore it.
     """
     options = KDLossOptions(tail=tail, divergence=divergence, jsd_beta=jsd_beta, temperature=temperature,
                             alpha=alpha, impl=impl, mode=mode, kernels=kernels, chunk_bytes=chunk_bytes,
@@ -52,7 +58,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
     k = teacher_ids.shape[-1]
     num_tokens = torch.count_nonzero(loss_mask).to(torch.int64)
     flat_weights = None if sample_weights is None else sample_weights.reshape(-1, k)
-    mass = teacher_mass(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(dtype), flat_weights)
+    mass = teacher_mass(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).double(), flat_weights).to(dtype)
     teacher_mass_sum = torch.where(loss_mask.reshape(-1) != 0, mass, 0.0).sum()
     if options.impl == "dense":
         sums = dense_topk_kl(hidden2d, weight, teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
@@ -62,7 +68,8 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
         rows_path = options.tail == "renorm" and labels is None
         triton = options.impl == "fused" and not rows_path and use_triton_kernels(options.kernels, hidden2d)
         plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=labels is not None, triton=triton,
-                        logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None)
+                        logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None,
+                        accumulate_main_grad=accumulate_main_grad)
         batch = prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, labels, sample_weights)
         if options.impl == "forward_chunked":
             sums = forward_chunked_topk_kl(hidden2d, weight, plan, batch)

@@ -55,6 +55,7 @@ class _TorchChunk:
     def __init__(self, plan: LossPlan, batch: KDBatch, r: torch.Tensor, rows: slice):
         self.plan, self.batch, self.rows = plan, batch, rows
         self.z = r.mul_(1.0 / plan.options.temperature) if plan.options.temperature != 1.0 else r   # [c, V/tp]
+        self.ids = batch.local_ids[rows].long()                              # [c, K] torch's index dtype
         self.exp = None
 
     def local_max(self) -> torch.Tensor:
@@ -65,11 +66,11 @@ class _TorchChunk:
         plan, batch, rows = self.plan, self.batch, self.rows
         with_full = plan.with_labels and plan.options.temperature != 1.0
         full = ((self.z - row_max[:, None]) * plan.options.temperature).exp_() if with_full else None
-        return exp_off_support_(self.z, row_max, batch.local_ids[rows], batch.local_valid[rows]), full
+        return exp_off_support_(self.z, row_max, self.ids, batch.local_valid[rows]), full
 
     def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
         batch, rows = self.batch, self.rows
-        columns = [gather_local(self.z, batch.local_ids[rows], batch.local_valid[rows])]     # [c, K] g
+        columns = [gather_local(self.z, self.ids, batch.local_valid[rows])]                 # [c, K] g
         if self.plan.with_labels:
             columns.append(gather_local(self.z, batch.local_label[rows, None], batch.label_local[rows, None])
                            * self.plan.options.temperature)
@@ -89,7 +90,7 @@ class _TorchChunk:
             local_label = batch.local_label[rows]
             label_local = torch.where(batch.label_local[rows], coefs.label, zero)
         support_local = torch.where(batch.local_valid[rows], coefs.support, zero)
-        return logits_grad_(exp_off, coefs.dense, batch.local_ids[rows], support_local, local_label, label_local,
+        return logits_grad_(exp_off, coefs.dense, self.ids, support_local, local_label, label_local,
                             exp_full, coefs.ce_dense)
 
 
@@ -112,6 +113,7 @@ class _TritonChunk:
 
     def __init__(self, backend: TritonChunks, r: torch.Tensor, rows: slice):
         self.backend, self.r, self.rows = backend, r, rows
+        self.support_ids, self.ids = backend.chunk_ids(rows)                 # [c, K], [c, K (+1)]
         self.stats = self.ce_stats = None
 
     def local_max(self) -> torch.Tensor:
@@ -119,15 +121,14 @@ class _TritonChunk:
 
         backend, rows = self.backend, self.rows
         tau = backend.plan.options.temperature
-        self.stats = chunk_row_stats(self.r, backend.ids[rows], 1.0 / tau, exclude=backend.support_ids[rows],
-                                     kernels="triton")
+        self.stats = chunk_row_stats(self.r, self.ids, 1.0 / tau, exclude=self.support_ids, kernels="triton")
         if backend.with_full:
-            self.ce_stats = chunk_row_stats(self.r, backend.ids[rows, :0], 1.0, kernels="triton")
+            self.ce_stats = chunk_row_stats(self.r, self.ids[:, :0], 1.0, kernels="triton")
         return self.stats[0].clone()                                         # [c] local max, kept for the rescale
 
     def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
         plan = self.backend.plan
-        k = self.backend.support_ids.shape[1]
+        k = self.support_ids.shape[1]
         local_max, sum_exp, gathered = (t.to(plan.dtype) for t in self.stats)   # [c], [c], [c, K (+1)]
         columns = [(sum_exp * (local_max - row_max).exp())[:, None], gathered[:, :k]]
         if plan.with_labels:
@@ -143,7 +144,7 @@ class _TritonChunk:
         tau = self.backend.plan.options.temperature
         sparse = coefs.support if coefs.label is None else torch.cat([coefs.support, coefs.label[:, None]], -1)
         with_ce = coefs.ce_dense is not None
-        return chunk_logit_grad_(self.r, row_max, tau * coefs.dense, self.backend.ids[self.rows], tau * sparse,
+        return chunk_logit_grad_(self.r, row_max, tau * coefs.dense, self.ids, tau * sparse,
                                  1.0 / tau, ce_lse=tau * row_max if with_ce else None,
                                  ce_coef=coefs.ce_dense if with_ce else None, kernels="triton")
 
@@ -154,11 +155,15 @@ class TritonChunks:
     def __init__(self, plan: LossPlan, batch: KDBatch):
         self.plan, self.batch = plan, batch
         self.with_full = plan.with_labels and plan.options.temperature != 1.0
-        self.support_ids = torch.where(batch.local_valid, batch.local_ids, -1)             # [T, K]
-        self.ids = self.support_ids
-        if plan.with_labels:
-            label = torch.where(batch.label_local, batch.local_label, -1)
-            self.ids = torch.cat([self.support_ids, label[:, None]], -1)                # [T, K + 1]
+
+    def chunk_ids(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(support ids [c, K], support + label ids [c, K (+1)]): local columns, -1 where not on this shard."""
+        batch = self.batch
+        support = torch.where(batch.local_valid[rows], batch.local_ids[rows], -1)           # [c, K]
+        if not self.plan.with_labels:
+            return support, support
+        label = torch.where(batch.label_local[rows], batch.local_label[rows], -1).to(support.dtype)
+        return support, torch.cat([support, label[:, None]], -1)                          # [c, K + 1]
 
     def load(self, r: torch.Tensor, rows: slice) -> _TritonChunk:
         return _TritonChunk(self, r, rows)

@@ -17,14 +17,14 @@ from .tp import VocabShard
 @torch.no_grad()
 def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, dtype):
     """Teacher buckets on the grid: (log P [T, V] (-inf off the support), support [T, V] bool, m [T],
-    ghost tail log P [T], tail present [T]). Repeated ids add up."""
+    ghost tail log P [T], tail present [T]). Repeated ids add up; m and the tail's log(1 - m) in float64."""
     tau = options.temperature
     valid = teacher_logprobs > -torch.inf                                    # [T, K]
     log_p = torch.zeros(shape, dtype=dtype, device=teacher_ids.device)
-    log_p.scatter_add_(-1, teacher_ids, torch.where(valid, teacher_logprobs.exp(), 0.0))     # P [T, V]
+    log_p.scatter_add_(-1, teacher_ids, torch.where(valid, teacher_logprobs.exp(), 0.0).to(dtype))   # P [T, V]
     support = torch.zeros(shape, dtype=torch.uint8, device=teacher_ids.device).scatter_reduce_(
         -1, teacher_ids, valid.to(torch.uint8), reduce="amax").bool()
-    mass = log_p.sum(-1)
+    mass = torch.where(valid, teacher_logprobs.double().exp(), 0.0).sum(-1)  # [T] float64
     log_p.log_().div_(tau).masked_fill_(~support, -torch.inf)                # l / tau
     has_support = support.any(-1)
     tail_present = support.sum(-1) < shape[-1]
@@ -37,8 +37,8 @@ def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, 
         norm = torch.where(has_support, log_p.logsumexp(-1), 0.0)
         if options.tail == "none":
             norm = norm - mass.log()
-    log_p.sub_(norm[:, None])
-    return log_p, support, mass, tail, tail_present & (options.tail == "ghost")
+    log_p.sub_(norm[:, None].to(dtype))
+    return log_p, support, mass, tail.to(dtype), tail_present & (options.tail == "ghost")
 
 
 @torch.no_grad()
@@ -75,8 +75,8 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         with torch.no_grad():
             student_mass = torch.where(p_hat > 0, log_q.exp(), 0.0).sum(-1)
         return _sums(kd, student_mass, ce_sum, loss_mask, options)
-    log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs.to(dtype),
-                                                               log_q.shape, options, dtype)
+    log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs, log_q.shape,
+                                                               options, dtype)
     has_support = support.any(-1)
     with torch.no_grad():
         student_mass = torch.where(support, log_q.exp(), 0.0).sum(-1)
@@ -85,8 +85,9 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
     kd = bucket_divergence(log_p, log_q, support, options.divergence, options.jsd_beta)
     if options.tail == "ghost":                                              # the tail bucket, 1 - s
         tail_q = torch.where(support, 0.0, log_q.exp()).sum(-1)
-        log_tail_q = torch.where(tail_present, tail_q, 1.0).log()
-        kd = kd + bucket_divergence(tail_p[:, None], log_tail_q[:, None], tail_present[:, None],
+        tail_used = tail_present & ((tail_p > -torch.inf) | (tail_q > 0))     # P = Q = 0: adds 0 (no 0 log 0)
+        log_tail_q = torch.where(tail_used, tail_q, 1.0).log()
+        kd = kd + bucket_divergence(tail_p[:, None], log_tail_q[:, None], tail_used[:, None],
                                     options.divergence, options.jsd_beta)
     return _sums(torch.where(has_support | (options.tail != "renorm"), kd, 0.0), student_mass, ce_sum, loss_mask,
                  options)

@@ -29,8 +29,8 @@ def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, present: torch.T
     reference calls it on [T, V] grids). ``log_p`` carries no gradient and is -inf on absent buckets."""
     zero = log_q.new_zeros(())
     if divergence == "forward_kl":                             # sum P log P - sum P log Q, 0 log 0 = 0
-        p = log_p.exp()
-        return torch.xlogy(p, p).sum(-1) - (p * torch.where(present, log_q, zero)).sum(-1)
+        p = log_p.exp()                                        # also where Q underflows to 0 (log Q = -inf)
+        return torch.xlogy(p, p).sum(-1) - (p * torch.where(present & (p > 0), log_q, zero)).sum(-1)
     log_p = torch.where(present, log_p, zero)
     log_q = torch.where(present, log_q, zero)
     p, q = log_p.exp(), log_q.exp()

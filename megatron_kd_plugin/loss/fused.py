@@ -2,24 +2,44 @@
 
 Never materialises [T, V/tp] logits: per chunk of c tokens r_c = X_c W^T lives in one [c, V/tp] buffer (fp32 on
 the PyTorch chunk backend; the inputs' dtype, e.g. bf16, with the Triton kernels) that becomes the chunk's logits
-gradient G_c in place, then dX_c = G_c W and dW += G_c^T X_c. ``recompute`` keeps only
-per-token coefficients (T*K) and recomputes r_c in backward (4 products per chunk); ``grad_in_forward`` forms
-dX and dW during forward and only scales them in backward (3 products). Peak extra memory
-~ c * V/tp * 4 B (x2 for CE at tau != 1; Triton: one chunk in the inputs' dtype) + dX (T*H) + dW (V/tp*H, fp32),
-flat in T apart from dX. The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.kernels``).
-"""
+gradient G_c in place, then dX_c = G_c W and dW += G_c^T X_c. ``recompute`` keeps only per-token coefficients
+(T*K) and recomputes r_c in backward (4 products per chunk); ``grad_in_forward`` forms dX and dW during forward and
+only scales them in backward (3 products). dW is accumulated in fp32 straight into megatron-core DDP's
+``weight.main_grad`` when the weight has one (``main_grad.py``; ``recompute`` then holds no dW buffer at all). A half
+weight meets the fp32 PyTorch backend in converted blocks of rows, never as a full fp32 copy. Peak extra memory
+~ c * V/tp * 4 B (x2 for CE at tau != 1; Triton: one chunk in the inputs' dtype) + dX (T*H) + dW (V/tp*H, fp32;
+none in ``recompute`` into main_grad) + ~10 B per teacher slot (``KDBatch``), flat in T apart from dX and the slots.
+The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.kernels``)."""
 
 from __future__ import annotations
 
 import torch
 
+from .main_grad import MainGrad, main_grad_of
 from .plan import KDBatch, LossPlan, finish_grad, loss_totals
 from .vocab_loop import backward_pass, forward_pass
 
 
-def _logits_source(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype):
+def _weight_blocks(weight: torch.Tensor, dtype: torch.dtype, block_rows: int):
+    """(vocab rows, W[rows] in ``dtype``) covering the shard: the weight itself when it has ``dtype`` (no copy),
+    else ``block_rows`` rows at a time converted on the fly (never a [V/tp, H] copy of a half weight)."""
+    if weight.dtype == dtype:
+        yield slice(0, weight.shape[0]), weight
+        return
+    for start in range(0, weight.shape[0], block_rows):
+        rows = slice(start, min(start + block_rows, weight.shape[0]))
+        yield rows, weight[rows].to(dtype)
+
+
+def _logits_source(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, block_rows: int):
     def logits_chunk(rows: slice) -> torch.Tensor:
-        return hidden[rows].to(dtype) @ weight.t()                           # [c, V/tp]
+        x = hidden[rows].to(dtype)                                           # [c, H]
+        if weight.dtype == dtype:
+            return x @ weight.t()                                            # [c, V/tp]
+        logits = x.new_empty(x.shape[0], weight.shape[0])
+        for cols, w in _weight_blocks(weight, dtype, block_rows):
+            logits[:, cols] = x @ w.t()
+        return logits
     return logits_chunk
 
 
@@ -42,12 +62,14 @@ def _mm_into_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: b
         out.copy_(a @ b)
 
 
-def _grad_sink(hidden: torch.Tensor, weight: torch.Tensor, d_hidden, d_weight, dtype: torch.dtype):
+def _grad_sink(hidden: torch.Tensor, weight: torch.Tensor, d_hidden, d_weight, dtype: torch.dtype, block_rows: int):
     def on_grad(rows: slice, grad: torch.Tensor) -> None:                    # grad [c, V/tp]
-        if d_hidden is not None:
-            _mm_into_(d_hidden[rows], grad, weight, accumulate=False)        # [c, H]
-        if d_weight is not None:
-            _mm_into_(d_weight, grad.t(), hidden[rows].to(dtype), accumulate=True)   # [V/tp, H]
+        x = hidden[rows].to(dtype) if d_weight is not None else None        # [c, H]
+        for cols, w in _weight_blocks(weight, dtype, block_rows):
+            if d_hidden is not None:
+                _mm_into_(d_hidden[rows], grad[:, cols], w, accumulate=cols.start > 0)   # [c, H]
+            if d_weight is not None:
+                _mm_into_(d_weight[cols], grad[:, cols].t(), x, accumulate=True)       # [V/tp, H]
     return on_grad
 
 
@@ -56,31 +78,46 @@ def _gemm_dtype(plan: LossPlan, hidden: torch.Tensor, weight: torch.Tensor) -> t
     return torch.promote_types(hidden.dtype, weight.dtype) if plan.triton else plan.dtype
 
 
-def _grad_buffers(plan: LossPlan, hidden: torch.Tensor, work_weight: torch.Tensor, need_dx: bool, need_dw: bool):
-    """Zeroed dX [T, H] and dW [V/tp, H] (None where not needed). dW sums over chunks: the accumulation dtype. dX
-    rows are each written once by a full-shard GEMM (fp32 accumulation inside cuBLAS), so the Triton path writes
-    them in the GEMM dtype."""
-    d_hidden_dtype = work_weight.dtype if plan.triton else plan.dtype
+def _block_rows(plan: LossPlan, weight: torch.Tensor) -> int:
+    """Vocab rows per converted weight block (a quarter of the chunk budget; only for half weights on the PyTorch
+    chunk backend)."""
+    return max(1, plan.options.budget_bytes(weight.device) // (4 * weight.shape[1] * plan.dtype.itemsize))
+
+
+def _grad_buffers(plan: LossPlan, hidden: torch.Tensor, weight: torch.Tensor, gemm_dtype: torch.dtype,
+                  need_dx: bool, need_dw: bool, main_grad: MainGrad | None):
+    """dX [T, H] and dW [V/tp, H] (None where not needed; zeroed). dW sums over chunks in the accumulation dtype:
+    into ``main_grad`` when given, else a fresh buffer. dX rows are each written once by a full-shard GEMM (fp32
+    accumulation inside cuBLAS), so the Triton path writes them in the GEMM dtype."""
+    d_hidden_dtype = gemm_dtype if plan.triton else plan.dtype
     d_hidden = hidden.new_zeros(hidden.shape, dtype=d_hidden_dtype) if need_dx else None
-    d_weight = torch.zeros_like(work_weight, dtype=plan.dtype) if need_dw else None
+    d_weight = None
+    if need_dw:
+        d_weight = main_grad.buffer if main_grad is not None else weight.new_zeros(weight.shape, dtype=plan.dtype)
     return d_hidden, d_weight
 
 
 class _FusedTopKKL(torch.autograd.Function):
-    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
+    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum).
+
+    dW goes into ``weight.main_grad`` (megatron-core DDP's convention, ``main_grad.py``) when ``plan.accumulate_main_grad``
+    finds one; ``recompute`` then accumulates each chunk's dW there directly, ``grad_in_forward`` adds its held dW
+    scaled by the incoming gradient in backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
         dtype = _gemm_dtype(plan, hidden, weight)
-        work_weight = weight.to(dtype)                                       # a copy only for half inputs
-        logits_chunk = _logits_source(hidden, work_weight, dtype)
+        block_rows = _block_rows(plan, weight)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.plan, ctx.batch, ctx.saved_coefs = plan, batch, None
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
+        logits_chunk = _logits_source(hidden, weight, dtype, block_rows)
         if plan.options.mode == "grad_in_forward" and (need_dx or need_dw):
-            d_hidden, d_weight = _grad_buffers(plan, hidden, work_weight, need_dx, need_dw)
+            d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, need_dx, need_dw, None)
             totals, _ = forward_pass(plan, batch, logits_chunk,
-                                     _grad_sink(hidden, work_weight, d_hidden, d_weight, dtype), keep_coefs=False)
+                                     _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows),
+                                     keep_coefs=False)
             ctx.grads = (d_hidden, d_weight)
         else:
             totals, ctx.saved_coefs = forward_pass(plan, batch, logits_chunk, None, keep_coefs=need_dx or need_dw)
@@ -91,23 +128,30 @@ class _FusedTopKKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         hidden_dtype, weight_dtype = ctx.input_dtypes
+        main_grad, ctx.main_grad = ctx.main_grad, None
         if ctx.grads is not None:                                            # grad_in_forward: scale only
             if ctx.grads == ():
                 raise RuntimeError("the fused KD loss (grad_in_forward) supports one backward per forward")
             d_hidden, d_weight = ctx.grads
             ctx.grads = ()
+            if main_grad is not None and d_weight is not None:
+                main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
+                d_weight = None
         else:
             hidden, weight = ctx.saved_tensors
             plan = ctx.plan
             dtype = _gemm_dtype(plan, hidden, weight)
-            work_weight = weight.to(dtype)
-            d_hidden, d_weight = _grad_buffers(plan, hidden, work_weight, *ctx.needs_input_grad[:2])
+            block_rows = _block_rows(plan, weight)
+            d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, *ctx.needs_input_grad[:2], main_grad)
             backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_loss.to(plan.dtype),
-                          _logits_source(hidden, work_weight, dtype),
-                          _grad_sink(hidden, work_weight, d_hidden, d_weight, dtype))
+                          _logits_source(hidden, weight, dtype, block_rows),
+                          _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows))
             grad_loss = None
-        return (finish_grad(d_hidden, grad_loss, hidden_dtype), finish_grad(d_weight, grad_loss, weight_dtype),
-                None, None)
+            if main_grad is not None:
+                d_weight = None                                              # already in main_grad
+        weight_grad = main_grad.placeholder_grad() if main_grad is not None else finish_grad(d_weight, grad_loss,
+                                                                                              weight_dtype)
+        return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad, None, None
 
 
 def fused_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):

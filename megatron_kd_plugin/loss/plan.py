@@ -29,6 +29,9 @@ class LossPlan:
     """Fused loss: the chunks go through the Triton kernels (``options.kernels`` resolved by ``use_triton_kernels``)."""
     logits_dtype: torch.dtype | None = None
     """dtype of the [c, V/tp] logits chunk (the chunk GEMM's output); None: ``dtype``."""
+    accumulate_main_grad: bool = False
+    """Fused loss: accumulate dW into the weight's ``main_grad`` (megatron-core DDP's buffer) when it has one of the
+    accumulation dtype, instead of returning it (``main_grad.py``)."""
 
     def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the
@@ -55,32 +58,56 @@ def use_triton_kernels(kernels: str, hidden: torch.Tensor) -> bool:
 
 
 class KDBatch(NamedTuple):
-    """Per-token inputs, flattened to T = s * b tokens in [s, b] order."""
+    """Per-token inputs, flattened to T = s * b tokens in [s, b] order: what the loss keeps for the whole call
+    (~10 bytes per teacher slot: int32 local id, the bucket log-prob, two bools)."""
 
     teacher: TeacherBuckets      # [T, K]
-    local_ids: torch.Tensor      # [T, K] int64 shard-local ids (clamped)
+    local_ids: torch.Tensor      # [T, K] int32 shard-local ids (clamped), the teacher's sorted slot order
     local_valid: torch.Tensor    # [T, K] bool: a bucket whose id lies in this shard
     weight: torch.Tensor         # [T] loss_mask in the accumulation dtype
     local_label: torch.Tensor | None   # [T] int64 shard-local label (clamped)
     label_local: torch.Tensor | None   # [T] bool: the label lies in this shard
+    has_label: torch.Tensor | None     # [T] bool: the label is not IGNORE_INDEX (it has a CE term)
+
+
+IGNORE_INDEX = -100
+"""A label equal to this (Hugging Face's and PyTorch's ``ignore_index``) has no CE term; the token's KD term counts."""
 
 
 def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
                   loss_mask: torch.Tensor, labels: torch.Tensor | None,
                   sample_weights: torch.Tensor | None = None) -> KDBatch:
-    """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab)."""
+    """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab). The teacher's float64 math
+    runs over blocks of tokens (``_teacher_block_tokens``), so its temporaries stay within the chunk budget."""
     k = teacher_ids.shape[-1]
     options, shard = plan.options, plan.shard
-    teacher = teacher_buckets(teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).to(plan.dtype),
-                              tail=options.tail, temperature=options.temperature, vocab_size=shard.vocab_size,
-                              sample_weights=None if sample_weights is None else sample_weights.reshape(-1, k))
-    local_ids, local_valid = shard_local(teacher.ids, teacher.valid, shard.vocab_start, shard.vocab_end)
-    local_label = label_local = None
+    ids, logprobs = teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k)
+    weights = None if sample_weights is None else sample_weights.reshape(-1, k)
+    step = _teacher_block_tokens(plan, k, teacher_ids.device)
+    blocks = []
+    for start in range(0, max(ids.shape[0], 1), step):
+        rows = slice(start, start + step)
+        sorted_ids, teacher = teacher_buckets(ids[rows], logprobs[rows], tail=options.tail,
+                                              temperature=options.temperature, vocab_size=shard.vocab_size,
+                                              dtype=plan.dtype,
+                                              sample_weights=None if weights is None else weights[rows])
+        local_ids, local_valid = shard_local(sorted_ids, teacher.valid, shard.vocab_start, shard.vocab_end)
+        blocks.append((teacher, local_ids.to(torch.int32), local_valid))
+    teacher = TeacherBuckets(*(torch.cat(parts) for parts in zip(*(block[0] for block in blocks), strict=True)))
+    local_ids, local_valid = (torch.cat([block[i] for block in blocks]) for i in (1, 2))
+    del blocks
+    weight = loss_mask.reshape(-1).to(plan.dtype)
+    local_label = label_local = has_label = None
     if labels is not None:
         flat = labels.reshape(-1).long()
-        local_label, label_local = shard_local(flat, torch.ones_like(flat, dtype=torch.bool), shard.vocab_start,
-                                               shard.vocab_end)
-    return KDBatch(teacher, local_ids, local_valid, loss_mask.reshape(-1).to(plan.dtype), local_label, label_local)
+        has_label = flat != IGNORE_INDEX
+        local_label, label_local = shard_local(flat, has_label, shard.vocab_start, shard.vocab_end)
+    return KDBatch(teacher, local_ids, local_valid, weight, local_label, label_local, has_label)
+
+
+def _teacher_block_tokens(plan: LossPlan, k: int, device: torch.device) -> int:
+    """Tokens per block of the teacher's float64 math: ~16 float64 [tokens, K] temporaries within the chunk budget."""
+    return max(1, plan.options.budget_bytes(device) // (16 * 8 * k))
 
 
 def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from .main_grad import main_grad_of
 from .plan import KDBatch, LossPlan, finish_grad, loss_totals
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
@@ -23,7 +24,8 @@ def _slots(local_ids: torch.Tensor, values: torch.Tensor, vocab_local: int) -> t
     crow = torch.arange(0, num_tokens * k + 1, k, device=local_ids.device)
     with warnings.catch_warnings():                          # "sparse CSR support is in beta state"
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1), values.reshape(-1), (num_tokens, vocab_local))
+        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1).long(), values.reshape(-1),
+                                       (num_tokens, vocab_local))
 
 
 class _RenormRowsKL(torch.autograd.Function):
@@ -51,6 +53,7 @@ class _RenormRowsKL(torch.autograd.Function):
                 d_weight = torch.sparse.mm(d_slots.t().to_sparse_csr(), x)[:weight.shape[0]]   # [V/tp, H]
         totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
+        ctx.main_grad = main_grad_of(weight, dtype, plan.accumulate_main_grad) if d_weight is not None else None
         return loss_totals(ctx, plan, totals)
 
     @staticmethod
@@ -58,9 +61,14 @@ class _RenormRowsKL(torch.autograd.Function):
         if ctx.grads is None:
             raise RuntimeError("the renorm KD loss supports one backward per forward")
         (d_hidden, d_weight), ctx.grads = ctx.grads, None
+        main_grad, ctx.main_grad = ctx.main_grad, None
         hidden_dtype, weight_dtype = ctx.input_dtypes
-        return (finish_grad(d_hidden, grad_loss, hidden_dtype), finish_grad(d_weight, grad_loss, weight_dtype),
-                None, None)
+        if main_grad is not None:
+            main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
+            weight_grad = main_grad.placeholder_grad()
+        else:
+            weight_grad = finish_grad(d_weight, grad_loss, weight_dtype)
+        return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad, None, None
 
 
 def renorm_rows_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):

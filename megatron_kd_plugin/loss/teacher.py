@@ -1,5 +1,9 @@
 """The teacher's side of the loss, computed once per call from the cached top-K (T*K work, no vocab).
 
+The buckets are formed in float64 whatever the input dtype: the ghost tail's 1 - m is lost in float32 below
+~6e-8 (m rounds to 1), and tempering log(1 - m) amplifies the error; only the finished log-probs are rounded to
+the accumulation dtype (their logarithms are well-conditioned there).
+
 Shape: ``ids`` [T, K] global vocab ids, ``logprobs`` [T, K] log-probs over the teacher's full vocab
 (-inf marks a padding slot: probability 0, not part of the support), ``sample_weights`` [T, K] (tail ``sampled``
 only) the importance weight w of each drawn slot; a slot is drawn when its log-prob is finite and w > 0.
@@ -13,9 +17,9 @@ import torch
 
 
 class TeacherBuckets(NamedTuple):
-    """The teacher's tempered bucket log-probs (see ``token_math`` for the formulas). Row-sliceable."""
+    """The teacher's tempered bucket log-probs (see ``token_math`` for the formulas), slot k of the token's ids as
+    sorted by ``teacher_buckets``. Row-sliceable."""
 
-    ids: torch.Tensor           # [T, K] int64, sorted per token; a repeated id is merged into its first slot
     valid: torch.Tensor         # [T, K] bool: the slot is a bucket (a distinct id with probability > 0)
     log_p: torch.Tensor         # [T, K] tempered log-prob of each slot's bucket, -inf where not valid
     log_p_tail: torch.Tensor    # [T] ghost: tempered log-prob of the tail bucket (-inf where absent)
@@ -67,7 +71,8 @@ def teacher_mass(ids: torch.Tensor, logprobs: torch.Tensor, sample_weights: torc
     return torch.where(first & drawn.gather(-1, order), probs.gather(-1, order), 0.0).sum(-1)
 
 
-def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor, sample_weights: torch.Tensor) -> TeacherBuckets:
+def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor,
+                     sample_weights: torch.Tensor) -> tuple[torch.Tensor, TeacherBuckets]:
     """``sampled``: bucket P_b = the summed weight of a distinct drawn id; the value offset makes
     f = KL(P || Q) + offset = sum_k w_k (l_k - log Q_{I_k})."""
     drawn = _drawn(logprobs, sample_weights)
@@ -78,15 +83,26 @@ def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor, sample_weights: 
     valid = log_p > -torch.inf
     offset = cross - torch.where(valid, log_p.exp() * log_p, 0.0).sum(-1)
     no_tail = torch.full_like(mass, -torch.inf)
-    return TeacherBuckets(ids, valid, log_p, no_tail, torch.zeros_like(valid[:, 0]), mass, offset)
+    return ids, TeacherBuckets(valid, log_p, no_tail, torch.zeros_like(valid[:, 0]), mass, offset)
 
 
-def teacher_buckets(ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str, temperature: float,
-                    vocab_size: int, sample_weights: torch.Tensor | None = None) -> TeacherBuckets:
+def teacher_buckets(ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str, temperature: float, vocab_size: int,
+                    dtype: torch.dtype, sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                              TeacherBuckets]:
     """Merge repeated ids, then temper within the tail mode's buckets (``sampled``: weights summed per id, no
-    tempering). ``vocab_size``: V (padded, all ranks)."""
+    tempering), in float64; the buckets are returned in ``dtype``. ``vocab_size``: V (padded, all ranks).
+    Returns (ids [T, K] int64 sorted per token, a repeated id merged into its first slot; the buckets)."""
+    logprobs = logprobs.to(torch.float64)
     if tail == "sampled":
-        return _sampled_buckets(ids, logprobs, sample_weights)
+        ids, buckets = _sampled_buckets(ids, logprobs, sample_weights.to(torch.float64))
+    else:
+        ids, buckets = _topk_buckets(ids, logprobs, tail, temperature, vocab_size)
+    return ids, TeacherBuckets(*(t.to(dtype) if t.is_floating_point() else t for t in buckets))
+
+
+def _topk_buckets(ids: torch.Tensor, logprobs: torch.Tensor, tail: str, temperature: float,
+                  vocab_size: int) -> tuple[torch.Tensor, TeacherBuckets]:
+    """``ghost`` / ``none`` / ``renorm`` buckets of the K slots (``token_math``)."""
     ids, logprobs = merge_duplicate_ids(ids, logprobs)
     valid = logprobs > -torch.inf
     neg_inf = torch.full_like(logprobs, -torch.inf)
@@ -100,9 +116,9 @@ def teacher_buckets(ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str, tem
         tail_present = valid.sum(-1) < vocab_size
         raw_tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)), no_tail)  # log(1 - m)
         buckets = torch.cat([tempered, (raw_tail / temperature)[:, None]], dim=-1).log_softmax(-1)
-        return TeacherBuckets(ids, valid, buckets[:, :-1], buckets[:, -1], tail_present, mass, zero)
+        return ids, TeacherBuckets(valid, buckets[:, :-1], buckets[:, -1], tail_present, mass, zero)
     shape = torch.where(any_valid, tempered, torch.zeros_like(tempered)).log_softmax(-1)  # softmax_K(l / tau)
     shape = torch.where(valid, shape, neg_inf)
     if tail == "none":                                                          # keeps the teacher's mass m
         shape = torch.where(valid, shape + mass.log()[:, None], neg_inf)
-    return TeacherBuckets(ids, valid, shape, no_tail, tail_present, mass, zero)
+    return ids, TeacherBuckets(valid, shape, no_tail, tail_present, mass, zero)

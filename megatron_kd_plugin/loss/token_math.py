@@ -32,6 +32,9 @@ So a logits chunk's gradient is one per-token coefficient times E off the suppor
 Loss and gradient w.r.t. r, with w the token's loss_mask weight and CE at tau = 1 (L1 = logsumexp(r)):
     loss = w (alpha tau^2 f + (1 - alpha) (L1 - r_y))
     dr   = w (alpha tau dz + (1 - alpha) (softmax(r) - onehot(y)))
+A label y = -100 (``plan.IGNORE_INDEX``, torch's and Hugging Face's ignore_index) has no CE term: that token's loss
+is w alpha tau^2 f (its KD term counts, and it counts in num_tokens while w != 0), whether or not inputs are
+validated. Any other label must lie in [0, V) on tokens with w != 0 (checked when ``validate``).
 At tau = 1 softmax(r) = q, so the CE part folds into the same coefficients; otherwise it needs E1 = exp(r - tau M)
 and its sum S1 (one more exp pass over the chunk). Under TP every rank holds its shard of E: only M (MAX), and
 E_tail, g_k, r_y and S1 (SUM, each entry owned by one rank) are all-reduced; every rank then has every per-token
@@ -63,7 +66,7 @@ class TokenTerms(NamedTuple):
     """Per-token values (unweighted) and d loss_sum / d r coefficients (weighted) of a chunk."""
 
     kd: torch.Tensor             # [c] f (0 where the weight is 0)
-    ce: torch.Tensor             # [c] L1 - r_y (0 without labels or where the weight is 0)
+    ce: torch.Tensor             # [c] L1 - r_y (0 without labels, where the weight is 0 or the label is ignored)
     student_mass: torch.Tensor   # [c] s = sum_k q_{I_k} (NaN without the full-vocab normaliser)
     dense_coef: torch.Tensor     # [c] coefficient of E off the support
     support_grad: torch.Tensor   # [c, K] added at the support ids (0 at invalid slots)
@@ -71,9 +74,10 @@ class TokenTerms(NamedTuple):
     ce_dense_coef: torch.Tensor | None  # [c] coefficient of E1 over the whole vocab (tau != 1 with labels)
 
 
-def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.Tensor,
-                options: KDLossOptions) -> TokenTerms:
-    """Loss values and gradient coefficients of a chunk of c tokens; ``weight`` [c] is the loss_mask."""
+def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.Tensor, options: KDLossOptions,
+                has_label: torch.Tensor | None = None) -> TokenTerms:
+    """Loss values and gradient coefficients of a chunk of c tokens; ``weight`` [c] is the loss_mask, ``has_label``
+    [c] bool: the label is not IGNORE_INDEX (given iff ``partials.label_logit`` is)."""
     tau, alpha = options.temperature, options.alpha
     g, valid = partials.support_logits, teacher.valid                        # [c, K]
     zero = g.new_zeros(())
@@ -119,7 +123,8 @@ def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.
 
     label_grad, ce, ce_dense_coef = torch.zeros_like(weight), torch.zeros_like(weight), None
     if partials.label_logit is not None:
-        ce_weight = torch.where(weight != 0, weight * (1.0 - alpha), zero)
+        ce_counts = (weight != 0) & has_label
+        ce_weight = torch.where(ce_counts, weight * (1.0 - alpha), zero)
         label_grad = -ce_weight
         if partials.ce_sum_exp is None:                                      # tau = 1: softmax(r) = q
             ce = partials.row_max + sum_exp.log() - partials.label_logit
@@ -128,5 +133,5 @@ def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.
         else:
             ce = tau * partials.row_max + partials.ce_sum_exp.log() - partials.label_logit
             ce_dense_coef = ce_weight / partials.ce_sum_exp
-        ce = torch.where(weight != 0, ce, zero)
+        ce = torch.where(ce_counts, ce, zero)
     return TokenTerms(kd, ce, student_mass, dense_coef, support_grad, label_grad, ce_dense_coef)

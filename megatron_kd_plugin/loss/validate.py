@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .options import KDLossOptions
+from .plan import IGNORE_INDEX
 from .teacher import teacher_mass
 from .tp import VocabShard
 
@@ -59,13 +60,17 @@ def check_values(teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, loss
                  vocab_size: int) -> None:
     """Raise ValueError for ids outside [0, V), NaN/+inf or positive log-probs (-inf is padding: probability 0),
     top-K mass (sampled: of the distinct drawn ids) above 1 + mass_tolerance, labels outside [0, V) on counted
-    tokens, or sample_weights that are not finite and >= 0. One host sync."""
+    tokens (IGNORE_INDEX = -100 is allowed: no CE term), or sample_weights that are not finite and >= 0. One host
+    sync; none for an empty batch (s = 0 or b = 0: nothing to check, the loss is 0)."""
+    if teacher_ids.numel() == 0:
+        return
     logprobs = teacher_logprobs.double()
     finite = torch.where(logprobs.isfinite(), logprobs, logprobs.new_tensor(-torch.inf))
     counted = loss_mask != 0
     label_range = [0.0, 0.0]
     if labels is not None:
-        label_range = [torch.where(counted, labels, 0).min(), torch.where(counted, labels, 0).max()]
+        scored = counted & (labels != IGNORE_INDEX)
+        label_range = [torch.where(scored, labels, 0).min(), torch.where(scored, labels, 0).max()]
     weight_stats = [logprobs.new_zeros(())] * 2                              # [non-finite count, min]
     if sample_weights is not None:
         weight_stats = [(~sample_weights.isfinite()).sum().double(), sample_weights.double().min()]
@@ -88,5 +93,5 @@ def check_values(teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, loss
         raise ValueError(f"teacher top-K mass sum_k exp(logprob) is {mass_max} > 1 + mass_tolerance="
                          f"{options.mass_tolerance}: the log-probs are not normalised over the full vocab")
     if labels is not None and (label_min < 0 or label_max >= vocab_size):
-        raise ValueError(f"labels of counted tokens must lie in [0, V={vocab_size}), got min {int(label_min)} "
-                         f"max {int(label_max)}")
+        raise ValueError(f"labels of counted tokens must lie in [0, V={vocab_size}) or be {IGNORE_INDEX} (no CE "
+                         f"term), got min {int(label_min)} max {int(label_max)}")

@@ -58,20 +58,21 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
                                  label_logit=extra[0] if plan.with_labels else None,
                                  ce_sum_exp=extra[1] if with_full else None)
         weight = batch.weight[rows]
-        terms: TokenTerms = token_terms(partials, batch.teacher.rows(rows), weight, options)
+        terms: TokenTerms = token_terms(partials, batch.teacher.rows(rows), weight, options,
+                                        None if batch.has_label is None else batch.has_label[rows])
         counted = weight != 0
         totals += torch.stack([(weight * terms.kd).sum(), (weight * terms.ce).sum(),
                                torch.where(counted, terms.student_mass, terms.kd.new_zeros(())).sum()])
-        if on_grad is None and saved is None:
-            continue
-        coefs = backend.coefs(rows, terms, partials)
-        if on_grad is not None:
-            on_grad(rows, chunk.logits_grad_(row_max, coefs))
-        if saved is not None:
-            saved.row_max[rows] = row_max
-            for buffer, value in zip(saved.coefs, coefs, strict=True):
-                if buffer is not None:
-                    buffer[rows] = value
+        if on_grad is not None or saved is not None:
+            coefs = backend.coefs(rows, terms, partials)
+            if on_grad is not None:
+                on_grad(rows, chunk.logits_grad_(row_max, coefs))
+            if saved is not None:
+                saved.row_max[rows] = row_max
+                for buffer, value in zip(saved.coefs, coefs, strict=True):
+                    if buffer is not None:
+                        buffer[rows] = value
+        del chunk                                # freed before the next chunk's logits: one [c, V/tp] at a time
     return totals, saved
 
 
@@ -82,3 +83,4 @@ def backward_pass(plan: LossPlan, batch: KDBatch, saved: SavedCoefs, grad_scale:
     for rows in _chunks(plan, batch.local_ids.shape[0], batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)
         on_grad(rows, chunk.logits_grad_(saved.row_max[rows], saved.coefs.rows(rows).scaled(grad_scale)))
+        del chunk

@@ -1,0 +1,103 @@
+"""Edge cases of the loss against float64 dense references (issue 15, items 7-9): a saturated teacher against an
+underflowing student tail, teacher tails below float32's resolution, an empty batch, ignore_index labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_kd_plugin.loss import topk_kd_loss
+from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case,  # noqa: F401
+                                     make_small_tail_case, one_thread, rel_err, run_loss)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PATHS = [dict(impl="dense"), dict(impl="forward_chunked"), dict(impl="fused", mode="recompute", kernels="torch"),
+         dict(impl="fused", mode="grad_in_forward", kernels="torch")]
+
+
+def _float64(case):
+    return {key: value.double() if value.is_floating_point() else value for key, value in case.items()}
+
+
+def _assert_matches(case, options, rtol):
+    """Every path on the case's fp32 inputs: finite, and equal to the float64 dense loss and gradients."""
+    ref, ref_dh, ref_dw = run_loss(_float64(case), impl="dense", **options)
+    assert ref.loss_sum.abs() > 0 and ref_dh.abs().max() > 0, options
+    for path in PATHS:
+        got, dh, dw = run_loss(case, **options, **path)
+        where = (options, path)
+        assert torch.isfinite(got.loss_sum) and torch.isfinite(dh).all() and torch.isfinite(dw).all(), where
+        assert rel_err(got.loss_sum, ref.loss_sum) < rtol, (where, rel_err(got.loss_sum, ref.loss_sum))
+        assert rel_err(dh, ref_dh) < rtol and rel_err(dw, ref_dw) < rtol, (where, rel_err(dh, ref_dh),
+                                                                          rel_err(dw, ref_dw))
+
+
+@pytest.mark.parametrize("tail,divergence", SATURATED_COMBOS)
+def test_saturated_teacher_and_underflowing_student_tail(tail, divergence):
+    """Teacher top-K mass 1 in fp32, student tail exp(-200 / 1.3) = 0 in fp32: 0 log 0 is 0, not NaN, in every
+    path (the renorm K-rows path included: tail='renorm' without labels), loss and gradients equal to float64."""
+    _assert_matches(make_saturated_case(), dict(tail=tail, divergence=divergence, temperature=1.3), rtol=1e-5)
+
+
+def test_saturated_teacher_reproducer():
+    """The issue's reproducer, verbatim: 0, not NaN."""
+    x, w = torch.zeros(1, 1, 4), torch.eye(4)
+    x[0, 0, 0] = 120.0
+    assert topk_kd_loss(x, w, torch.tensor([[[0]]]), torch.tensor([[[0.0]]]), kernels="torch").loss_sum == 0
+
+
+def test_reverse_kl_ghost_tail_below_float32_resolution():
+    """True teacher tail 1e-8 (m rounds to 1 in fp32): reverse KL with the ghost tail is finite with finite
+    gradients, equal to float64 teacher math on the same inputs, in every path."""
+    _assert_matches(make_small_tail_case(1e-8), dict(tail="ghost", divergence="reverse_kl"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [2.0, 4.0])
+def test_tempered_ghost_tail_below_float32_resolution(temperature):
+    """Tail 1e-9, tau = 2 and 4 (tempering amplifies the error of 1 - m): forward KL and JSD equal float64."""
+    case = make_small_tail_case(1e-9)
+    for divergence in ("forward_kl", "jsd"):
+        _assert_matches(case, dict(tail="ghost", divergence=divergence, temperature=temperature), rtol=1e-5)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_empty_sequence_gives_zero_loss_and_zero_grads(validate):
+    """s = 0 (an empty microbatch): loss 0, num_tokens 0, zero gradients of the inputs' shapes, in every path."""
+    case = make_case(s=1, b=3, vocab=20, k=4, dtype=torch.float32)
+    empty = {key: value[:0] for key, value in case.items()}
+    empty["weight"] = case["weight"]
+    for path in PATHS + [dict(impl="fused", tail="renorm")]:
+        with_labels = path.get("tail") != "renorm"
+        got, dh, dw = run_loss(empty, validate=validate, with_labels=with_labels,
+                               alpha=0.5 if with_labels else 1.0, **path)
+        assert got.loss_sum == 0 and got.num_tokens == 0 and got.kd_sum == 0 and got.ce_sum == 0, path
+        assert dh.shape == empty["hidden"].shape and dw.shape == case["weight"].shape and not dw.any(), path
+
+
+def test_ignore_index_labels_have_no_ce_term():
+    """labels = -100 on counted tokens: their CE term is 0, their KD term counts, the same with validate=True and
+    False, and equal to a float64 reference built from its parts (KD by the dense path, CE by hand)."""
+    case = make_case(s=3, b=7, vocab=40, k=5)
+    case["labels"][0, :4] = -100
+    case["labels"][2, 1] = -100
+    assert (case["loss_mask"][case["labels"] == -100] != 0).sum() >= 3
+    alpha, tau = 0.4, 1.7
+    kd, kd_dh, kd_dw = run_loss(case, impl="dense", temperature=tau)             # tau^2 KD, alpha = 1
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    logits = hidden @ weight.t()                                                # [s, b, V] float64, tau = 1
+    scored = (case["labels"] != -100) & (case["loss_mask"] != 0)
+    label_logit = logits.gather(-1, case["labels"].clamp(min=0)[..., None])[..., 0]
+    ce = torch.where(scored, case["loss_mask"] * (logits.logsumexp(-1) - label_logit), 0.0).sum()
+    ce.backward()
+    ref_loss = alpha * kd.loss_sum + (1 - alpha) * ce.detach()
+    ref_dh, ref_dw = alpha * kd_dh + (1 - alpha) * hidden.grad, alpha * kd_dw + (1 - alpha) * weight.grad
+    for validate in (False, True):
+        for path in PATHS:
+            got, dh, dw = run_loss(case, temperature=tau, alpha=alpha, with_labels=True, validate=validate,
+                                   chunk_bytes=4 * 40 * 8 * 2, **path)
+            where = (path, validate)
+            assert rel_err(got.loss_sum, ref_loss) < 1e-9 and rel_err(got.ce_sum, ce) < 1e-9, where
+            assert rel_err(dh, ref_dh) < 1e-9 and rel_err(dw, ref_dw) < 1e-9, where
+            assert int(got.num_tokens) == int((case["loss_mask"] != 0).sum()), where
