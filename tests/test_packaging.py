@@ -76,7 +76,9 @@ def test_installed_package_runs_without_the_repository(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report["files"]) > 20
     assert all(pathlib.Path(f).is_relative_to(installed) for f in report["files"]), report["files"]
-    assert not any(pathlib.Path(p).is_relative_to(REPO_ROOT) for p in report["sys_path"]), report["sys_path"]
+    venv = pathlib.Path(sys.prefix).resolve()   # the environment may live inside the checkout (.venv/)
+    assert not any(pathlib.Path(p).is_relative_to(REPO_ROOT) and not pathlib.Path(p).is_relative_to(venv)
+                   for p in report["sys_path"]), report["sys_path"]
     mini = PRESETS["mini"]   # the recipe resolved, with the demo's overrides applied
     assert (report["num_layers"], report["alpha"], report["cache_path"]) == (
         mini.student.num_layers, mini.kd_alpha, "cache.zarr")

@@ -99,7 +99,6 @@ def check_kd_config(cfg: ConfigContainer) -> None:
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
     cfg.kd.finalize()
     model = cfg.model
-    check_parallel_sizes_divide_world(model)
     if model.seq_length != cfg.dataset.seq_length:
         raise ValueError(f"model.seq_length={model.seq_length} != dataset.seq_length={cfg.dataset.seq_length}: "
                          "override both")
@@ -107,6 +106,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if (model.virtual_pipeline_model_parallel_size or 1) != 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}:"
                          " the KD step supports only None")
+    check_parallel_sizes_divide_world(model)
     mode = cfg.dataset.open_validated(vocab_size=model.vocab_size).spec.mode
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):
         raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "

@@ -90,9 +90,11 @@ def _kd_output_processor(*, hidden_states, output_layer, output_weight, context,
 
     The weight is ``output_layer``'s (untied, or tied on a last stage without the embedding), whose forward never
     runs, so its pre-hooks (DDP's gather wait) run here; with tied embeddings on the first stage it is the
-    embedding's, whose module already ran, and ``output_layer`` owns no parameter for its hooks to wait on.
+    embedding's, whose module already ran, and ``output_layer`` owns no parameter for its hooks to wait on. A caller
+    that hands only ``output_weight`` (``output_layer=None``) owns the weight's readiness itself.
     """
-    run_forward_pre_hooks(output_layer)
+    if output_layer is not None:
+        run_forward_pre_hooks(output_layer)
     weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
     return topk_kd_loss(hidden_states, weight, **context)
 
