@@ -317,6 +317,39 @@ def _tree(path):
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def _teacher_that_must_not_load(path, tp_size):
+    raise AssertionError("the cache command loaded the teacher although another run holds the store's lock")
+
+
+def test_the_cache_command_refuses_a_locked_store_before_loading_the_teacher(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatron_kd_plugin.cache.cli import main
+
+    tokenizer = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a b " * 40}) + "\n")
+    write(tmp_path / "c")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+                               str(tmp_path / "c" / ".writer.lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code = main(["--teacher", "unused", "--teacher-loader", f"{__name__}:_teacher_that_must_not_load",
+                     "--vocab-size", "3", "--data", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                     str(tmp_path / "tokenizer.json"), "--output", str(tmp_path / "c"), "--seq-length", "8",
+                     "--topk", "2", "--no-progress"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"another run is writing {tmp_path / 'c'}" in capsys.readouterr().err
+
+
 def test_resume_redoes_unmarked_shards_bit_identically(tmp_path):
     write(tmp_path / "full")
     write(tmp_path / "part")

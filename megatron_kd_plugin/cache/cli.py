@@ -191,7 +191,7 @@ def run(args) -> None:
 
     from megatron_kd_plugin.cache.sources import open_source
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
-    from megatron_kd_plugin.cache.writer import check_vocab, write_cache
+    from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, write_cache
 
     kind = teacher_kind(args)
     if kind != "hf" and args.pp != 1:
@@ -210,6 +210,7 @@ def run(args) -> None:
         check_vocab(source, vocab_size)
     created = init_distributed(args.tp, args.pp, args.ep)
     try:
+        refuse_while_written(args.output)
         if kind == "hf":
             from megatron_kd_plugin.bridge.hf import build_model
 

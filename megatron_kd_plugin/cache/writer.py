@@ -30,7 +30,7 @@ import torch.distributed as dist
 import zarr
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.lock import WriterLock
+from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk
@@ -272,6 +272,13 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
     return stats
+
+
+def refuse_while_written(output) -> None:
+    """ValueError on every rank while another run holds the writers' lock of the store at ``output``: the cache
+    command asks before it loads the teacher (minutes for a large one); ``write_cache`` takes the lock for real."""
+    lock_file = pathlib.Path(output) / LOCK_NAME
+    _agreed(lambda: lock_file.is_file() and WriterLock(output).exclusive().release())
 
 
 def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
