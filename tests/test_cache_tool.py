@@ -179,10 +179,12 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
         _kill_when(dp2, killed, shards_done)
         marks.append(_done(killed))
     orphans = _kill_when(dp2, killed, 9, orphan_workers=True)
-    second = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
+    try:
+        second = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
+    finally:                                               # then the orphans die too, wherever they were (and
+        for worker in orphans:                             # never outlive a failing test, paused)
+            worker.kill()
     assert second.returncode != 0 and f"another run is writing {killed}" in second.stderr, second.stderr[-2000:]
-    for worker in orphans:                                 # then the orphans die too, wherever they were
-        worker.kill()
     _wait_dead(orphans)
     marks.append(_done(killed))
     assert marks[0] < marks[1] < marks[2] < 16, marks   # three distinct points, each before the end
