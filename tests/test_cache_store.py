@@ -321,9 +321,13 @@ def _teacher_that_must_not_load(path, tp_size):
     raise AssertionError("the cache command loaded the teacher although another run holds the store's lock")
 
 
-def test_the_cache_command_refuses_a_locked_store_before_loading_the_teacher(tmp_path, capsys):
+def test_the_cache_command_refuses_a_locked_store_before_loading_the_teacher(tmp_path, capsys, monkeypatch):
     import subprocess
     import sys
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):   # the command sets them for its single
+        monkeypatch.setenv(key, "")                                    # process: restored (or removed) after
+        monkeypatch.delenv(key)
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
