@@ -102,15 +102,15 @@ def _init_single_process(device) -> None:
 def _build_student(args, seq_length, dtype):
     """A megatron-core GPTModel (TP=1, local layers, causal SDPA core attention) of the benchmark's shape."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from megatron_kd_plugin.cpu_compat import local_block_spec
     from megatron_kd_plugin.gpt import GPTSpec, transformer_config
 
     spec = GPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                    num_query_groups=args.groups, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
                    seq_length=seq_length, normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
     config = transformer_config(spec, tp_size=1, params_dtype=dtype)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    block = local_block_spec(config)
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = _causal_sdpa_attention()
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=args.vocab, max_sequence_length=seq_length,

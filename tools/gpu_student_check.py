@@ -44,9 +44,10 @@ def model_config(layers: int, hidden: int, *, bf16: bool):
 
 def gpt(config, vocab: int, seq: int):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    from megatron_kd_plugin.cpu_compat import local_block_spec
+
+    spec = local_block_spec(config)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
 
