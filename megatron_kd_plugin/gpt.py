@@ -236,14 +236,14 @@ def load_gpt(path, *, tp_size: int, params_dtype: torch.dtype = torch.float32):
 
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
 
-    if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
-        seed_model_parallel(0)   # megatron's forward forks the TP RNG tracker even with dropout 0
-    model = build_gpt(spec, tp_size=tp_size, params_dtype=params_dtype)
     try:
         full = torch.load(path / WEIGHTS_FILE, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise ValueError(f"{path / WEIGHTS_FILE} cannot be read ({str(exc).splitlines()[0]}): the file is truncated "
                          "or damaged; save the teacher again") from exc
+    if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        seed_model_parallel(0)   # megatron's forward forks the TP RNG tracker even with dropout 0
+    model = build_gpt(spec, tp_size=tp_size, params_dtype=params_dtype)
     params = dict(model.named_parameters())
     if set(full) != set(params):
         raise ValueError(f"{path}: checkpoint parameters do not match the spec's model (missing "

@@ -73,7 +73,7 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
     every written chunk first (see :func:`verify`)."""
     path = pathlib.Path(path)
     group, spec = fmt.open_store(path)
-    missing_files = fmt.missing_shard_files(path, group, spec)
+    missing_files = [] if check else fmt.missing_shard_files(path, group, spec)   # --verify names them all
     if missing_files:
         raise ValueError(f"{path} is damaged: {len(missing_files)} files of written shards are missing "
                          f"({'; '.join(missing_files[:3])}{'; ...' if len(missing_files) > 3 else ''}); {REPAIR}")
