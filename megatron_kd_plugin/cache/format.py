@@ -7,7 +7,7 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
     teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
-    chunk_records      uint32  [N, A]    chunks [1, A] shards [P, A], uncompressed — binds each chunk (below)       0
+    chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below)         0
     shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)   0
     .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
 
@@ -67,6 +67,7 @@ import os
 import pathlib
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.codecs import numcodecs as numcodecs_zarr3
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.errors import ZarrUserWarning
 
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 
@@ -327,8 +329,11 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VER
                            compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
                            dimension_names=("sample", "position"))
     if version >= 3:                                     # every per-sample array above, whatever the spec adds
-        bound = sorted(name for name, array in group.arrays() if array.metadata.dimension_names[:1] == ("sample",))
-        group.create_array(RECORDS, shape=(n, len(bound)), chunks=(1, len(bound)), shards=(p, len(bound)),
+        with warnings.catch_warnings():                  # zarr names the lock file of a staging folder
+            warnings.simplefilter("ignore", ZarrUserWarning)
+            arrays = dict(group.arrays())
+        bound = sorted(name for name, array in arrays.items() if array.metadata.dimension_names[:1] == ("sample",))
+        group.create_array(RECORDS, shape=(n, len(bound)), chunks=(p, len(bound)), shards=(p, len(bound)),
                            dtype="uint32", compressors=[Crc32cCodec()], fill_value=0,
                            dimension_names=("sample", "array"), attributes=dict(arrays=bound))
     group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=[Crc32cCodec()],
@@ -350,6 +355,13 @@ def _expected_documents(spec: CacheSpec, version: int) -> dict[str, dict]:
     prototype = default_buffer_prototype()
     return {name: json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes())
             for name, array in group.arrays()}
+
+
+def sample_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
+    """The arrays of the store with one chunk per sample (first dimension ``sample``), ``chunk_records``
+    included, sorted by name."""
+    return sorted(name for name, document in _expected_documents(spec, version).items()
+                  if (document.get("dimension_names") or [None])[0] == "sample")
 
 
 def bound_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
@@ -427,9 +439,8 @@ def missing_shard_files(path, group: zarr.Group, spec: CacheSpec) -> list[str]:
     """The shard files of the shards marked done that do not exist (every array with one chunk per sample)."""
     done = np.flatnonzero(group[SHARD_DONE][:])
     missing = []
-    for name, array in sorted(group.arrays()):
-        if array.metadata.dimension_names[:1] != ("sample",):
-            continue
+    for name in sample_arrays(spec, group.attrs["version"]):
+        array = group[name]
         for shard in done:
             file = pathlib.Path(path, name, array.metadata.encode_chunk_key((int(shard),) + (0,) * (array.ndim - 1)))
             if not file.is_file():

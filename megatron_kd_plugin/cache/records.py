@@ -7,11 +7,12 @@ The record of sample i's chunk of array a (format version 3)::
     chunk_records[i, column of a] = CRC32C(identity ‖ a ‖ 0x00 ‖ i as 8 bytes LE ‖ CRC32C stored with the chunk, 4 bytes LE)
 
 with ``identity`` the store's attribute (the SHA-256 of its format, version and settings, ASCII hex) and the
-columns the per-sample arrays sorted by name (``format.bound_arrays``). A chunk that is moved within or between
+columns the per-sample arrays sorted by name (``format.bound_arrays``); one chunk holds the records of one shard. A chunk that is moved within or between
 shard files, a shard file swapped with another or copied from a store with other settings, a ``chunk_records``
 file moved, or attributes edited with their identity recomputed, each fails this comparison (probability 2^-32 of
 a miss per chunk): the chunk's own CRC32C stays valid, but it was written for another place. Reading a sample costs
-one more small chunk (``chunk_records``, uncompressed) and one CRC32C over ~90 bytes per array.
+one CRC32C over ~90 bytes per array, and once per shard the small uncompressed ``chunk_records`` chunk (cached
+like the shard indexes).
 
 A read that fails is retried once with the cached shard indexes dropped (the files may have been rewritten);
 if it fails again and the store's identity on disk is no longer the one this reader opened, the error says the
@@ -65,11 +66,11 @@ class SampleReader:
         self.opened_attrs = self._described(dict(group.attrs))
         self.bound = fmt.bound_arrays(spec, self.version)
         if names is None:
-            names = [name for name, array in sorted(group.arrays()) if name != fmt.RECORDS
-                     and array.metadata.dimension_names[:1] == ("sample",)]
+            names = [name for name in fmt.sample_arrays(spec, self.version) if name != fmt.RECORDS]
         self.names = list(names)
         self.readers = {name: open_chunk_reader(self.path / name, group[name])
                         for name in self.names + [fmt.RECORDS] * bool(self.bound)}
+        self._records: dict[int, np.ndarray] = {}
         if None in self.readers.values():              # open_store checked the layout: not a local folder
             raise ValueError(f"{self.path}: the store is not a folder on a local file system")
         if not self.bound:
@@ -89,6 +90,7 @@ class SampleReader:
         except DamagedStoreError:
             for reader in self.readers.values():
                 reader.clear()
+            self._records.clear()
         try:
             return self._read(sample)
         except DamagedStoreError as exc:
@@ -97,11 +99,12 @@ class SampleReader:
 
     def _read(self, sample: int) -> dict[str, np.ndarray]:
         out, checksums = {}, {}
-        for name, reader in self.readers.items():
+        for name in self.names:
+            reader = self.readers[name]
             values, checksums[name] = reader.read((sample,) + (0,) * (len(reader.chunk_shape) - 1))
             out[name] = values[0]
         if self.bound:
-            records = out.pop(fmt.RECORDS)
+            records = self._shard_records(sample)[sample % self.spec.samples_per_shard]
             for column, name in enumerate(self.bound):
                 if name in checksums and records[column] != chunk_record(self.identity, name, sample,
                                                                          checksums[name]):
@@ -109,9 +112,20 @@ class SampleReader:
         self._check_ids(out, sample)
         return out
 
+    def _shard_records(self, sample: int) -> np.ndarray:
+        """The ``chunk_records`` rows ``[P, A]`` of the shard holding ``sample`` (one chunk, cached)."""
+        shard = sample // self.spec.samples_per_shard
+        records = self._records.get(shard)
+        if records is None:
+            records = self.readers[fmt.RECORDS].read((shard, 0))[0]
+            if len(self._records) > 4096:
+                self._records.clear()
+            self._records[shard] = records
+        return records
+
     def _where(self, name: str, sample: int) -> str:
         reader = self.readers[name]
-        coords = (sample,) + (0,) * (len(reader.chunk_shape) - 1)
+        coords = (sample // reader.chunk_shape[0],) + (0,) * (len(reader.chunk_shape) - 1)
         return reader.where(reader.shard_path(coords), tuple(c // p for c, p in zip(coords, reader.per_shard)))
 
     def _misplaced(self, name: str, sample: int) -> str:

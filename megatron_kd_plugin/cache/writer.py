@@ -179,11 +179,10 @@ def repair_store(output: pathlib.Path, group: zarr.Group, spec: fmt.CacheSpec) -
     for shard, message in sorted(damaged.items()):
         begin, end = spec.shard_range(shard)
         print(f"[cache] --repair: shard {shard} (samples [{begin}, {end})) is damaged: {message}", flush=True)
-        for name, array in group.arrays():
-            if array.metadata.dimension_names[:1] == ("sample",):
-                file = output / name / array.metadata.encode_chunk_key((begin // spec.samples_per_shard,)
-                                                                       + (0,) * (array.ndim - 1))
-                file.unlink(missing_ok=True)
+        for name in fmt.sample_arrays(spec):
+            array = group[name]
+            file = output / name / array.metadata.encode_chunk_key((shard,) + (0,) * (array.ndim - 1))
+            file.unlink(missing_ok=True)
         group[fmt.SHARD_DONE][shard] = 0
     if damaged:
         group.attrs.update(complete=False)
