@@ -199,6 +199,13 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
     assert not list(killed.rglob("*.partial"))
+    shard = killed / fmt.IDS / "c" / "3" / "0" / "0"                  # damage, then the command's --repair
+    shard.write_bytes(shard.read_bytes()[:-3])
+    repaired = subprocess.run(plain + ["--repair"], env=_env(1), capture_output=True, text=True,
+                              timeout=scaled(600))
+    assert repaired.returncode == 0 and "1 of 16 written shards damaged, rewriting them" in repaired.stdout, \
+        repaired.stderr[-3000:]
+    assert _tree(killed) == _tree(clean)
 
 
 def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):

@@ -49,7 +49,8 @@ temperature, teacher and tokenizer identity, source-data fingerprint, log-prob c
 temperature, sample seed), ``identity`` (version 3), ``complete`` and ``progress``.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
-arrays are written first, its ``shard_done`` element last (each chunk file is replaced atomically by zarr's
+arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), its
+``shard_done`` element last (each chunk file is replaced atomically by zarr's
 LocalStore). A killed run restarted with the same settings redoes only the shards not marked done, and because
 the data of a shard depend only on that shard's samples, the result is byte-identical to an uninterrupted run.
 ``complete`` turns true (one atomic rewrite of the group's ``zarr.json``) only after every shard is marked done;
