@@ -4,19 +4,21 @@ vocabulary; and a store replaced under an open reader is noticed and named.
 
 The record of sample i's chunk of array a (format version 3)::
 
-    chunk_records[i, column of a] = CRC32C(identity ‖ a ‖ 0x00 ‖ i as 8 bytes LE ‖ CRC32C stored with the chunk, 4 bytes LE)
+    chunk_records[i, column of a] = CRC32C(identity ‖ a ‖ 0x00 ‖ i (8 bytes LE) ‖ the chunk's stored CRC32C (4 B LE))
 
 with ``identity`` the store's attribute (the SHA-256 of its format, version and settings, ASCII hex) and the
-columns the per-sample arrays sorted by name (``format.bound_arrays``); one chunk holds the records of one shard. A chunk that is moved within or between
-shard files, a shard file swapped with another or copied from a store with other settings, a ``chunk_records``
-file moved, or attributes edited with their identity recomputed, each fails this comparison (probability 2^-32 of
-a miss per chunk): the chunk's own CRC32C stays valid, but it was written for another place. Reading a sample costs
+columns the per-sample arrays sorted by name (``format.bound_arrays``); one chunk holds the records of one shard.
+A chunk moved within or between shard files, a shard file swapped with another or copied from a store of other
+settings, a ``chunk_records`` file moved, or attributes edited with their identity recomputed, each fails this
+comparison (a miss has probability 2^-32 per chunk): the chunk's own CRC32C stays valid, but it was written for
+another place. (A shard copied from a store of the same settings holds the same bytes and passes: it is the same
+data.) Reading a sample costs
 one CRC32C over ~90 bytes per array, and once per shard the small uncompressed ``chunk_records`` chunk (cached
 like the shard indexes).
 
 A read that fails is retried once with the cached shard indexes dropped (the files may have been rewritten);
-if it fails again and the store's identity on disk is no longer the one this reader opened, the error says the
-store was replaced.
+if it fails again and the store's attributes on disk (its identity) are no longer those this reader opened, the
+error says the store was replaced.
 """
 
 from __future__ import annotations

@@ -358,8 +358,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
-    TP); ``repair``: rewrite the damaged shards of the store (see the module docstring); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
-    nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
+    TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
+    nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring). ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
     dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
     :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at ``output`` (without
     ``overwrite``), on anything at ``output`` that is not a store of this project, and while another run writes
