@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -227,15 +228,22 @@ def load_gpt(path, *, tp_size: int, params_dtype: torch.dtype = torch.float32):
     path = pathlib.Path(path)
     if not (path / SPEC_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ValueError(f"{path} is not a save_gpt checkpoint (needs {SPEC_FILE} and {WEIGHTS_FILE})")
-    spec = GPTSpec.from_json((path / SPEC_FILE).read_text())
+    try:
+        spec = GPTSpec.from_json((path / SPEC_FILE).read_text())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path / SPEC_FILE} is not a GPTSpec JSON ({exc})") from exc
     from megatron.core import tensor_parallel
 
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
 
+    try:
+        full = torch.load(path / WEIGHTS_FILE, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{path / WEIGHTS_FILE} cannot be read ({str(exc).splitlines()[0]}): the file is truncated "
+                         "or damaged; save the teacher again") from exc
     if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         seed_model_parallel(0)   # megatron's forward forks the TP RNG tracker even with dropout 0
     model = build_gpt(spec, tp_size=tp_size, params_dtype=params_dtype)
-    full = torch.load(path / WEIGHTS_FILE, map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())
     if set(full) != set(params):
         raise ValueError(f"{path}: checkpoint parameters do not match the spec's model (missing "

@@ -5,6 +5,10 @@
 ``body`` must be a module-level function (it is pickled into spawned processes). Results travel back as
 ``torch.save`` bytes, so tensors and plain data both work. A rank that raises fails the call with that rank's
 traceback; ranks still waiting in a collective are then terminated.
+
+Every wait of the test suite (this module's, and the subprocess timeouts of the tests) goes through
+:func:`scaled`: ``KD_TEST_TIMEOUT_SCALE=3 pytest ...`` triples them all on a slow or busy machine (default 1; the
+waits are already set for a loaded 2-core box, so they only bound a hang).
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ import traceback
 from datetime import timedelta
 
 import torch
+
+
+TIMEOUT_SCALE = float(os.environ.get("KD_TEST_TIMEOUT_SCALE", "1"))
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` times ``KD_TEST_TIMEOUT_SCALE``: every wait of the test suite."""
+    return seconds * TIMEOUT_SCALE
 
 
 def _free_port() -> int:
@@ -37,7 +49,7 @@ def _rank_main(rank, world_size, tp, port, fn, args, kwargs, results):
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         apply_cpu_workarounds()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=scaled(300)))
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -51,8 +63,9 @@ def _rank_main(rank, world_size, tp, port, fn, args, kwargs, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(world_size: int, fn, *args, tp: int | None = None, timeout: float = 300, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks with tensor parallelism ``tp`` (default: all)."""
+def run_on_ranks(world_size: int, fn, *args, tp: int | None = None, timeout: float = 600, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks with tensor parallelism ``tp`` (default: all);
+    ``timeout``: seconds before :func:`scaled`."""
     tp = world_size if tp is None else tp
     if world_size % tp:
         raise ValueError(f"world_size={world_size} is not a multiple of tp={tp}")
@@ -64,11 +77,12 @@ def run_on_ranks(world_size: int, fn, *args, tp: int | None = None, timeout: flo
     for p in procs:
         p.start()
     values, errors = {}, {}
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(errors) < world_size:
             # after the first failure, give the other ranks a moment to report their own tracebacks
-            wait = min(deadline, time.monotonic() + 10) if errors else deadline
+            wait = min(deadline, time.monotonic() + scaled(10)) if errors else deadline
             remaining = wait - time.monotonic()
             if remaining <= 0:
                 break

@@ -19,6 +19,7 @@ from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
 from recipes import RECIPES
 from megatron_kd_plugin.bridge.train_cli import build_config
+from tests.distributed import scaled
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RECIPE_NAME = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*_kd_(\w+_)?(\d+gpu_h200_bf16|cpu_fp32)_config$")
@@ -108,7 +109,7 @@ def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after
         assert loaded.model.num_layers == cfg.model.num_layers
         print("AFTER: loaded")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=scaled(600))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "BEFORE: refused" in done.stdout and "AFTER: loaded" in done.stdout
 

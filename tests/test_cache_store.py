@@ -2,7 +2,9 @@
 
 import errno
 import json
+import pathlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -74,7 +76,6 @@ def test_fast_chunk_reads_equal_zarr_reads(tmp_path):
     write(tmp_path / "c")
     reader = TopKCacheReader(tmp_path / "c")
     group = zarr.open_group(tmp_path / "c", mode="r")
-    assert all(r is not None for r in reader._chunk_readers.values())
     for i in range(N):
         fast = reader.sample_arrays(i)
         for name, values in fast.items():
@@ -179,13 +180,10 @@ def test_overwrite_replaces_only_a_store_of_this_tool_and_never_a_users_file(tmp
     assert (folder / "precious.txt").read_text() == "mine" and plain.read_text() == "mine too"
     assert (tmp_path / "c" / fmt.IDS / "readme.txt").exists() and TopKCacheReader(tmp_path / "c").spec.k == K
     (tmp_path / "c" / fmt.IDS / "readme.txt").unlink()
-    (tmp_path / "c" / "zarr.json").write_bytes((tmp_path / "c" / "zarr.json").read_bytes()[:50])   # damaged
-    with pytest.raises(ValueError, match="unreadable.*not valid JSON"):
-        write(tmp_path / "c")
-    write(tmp_path / "c", overwrite=True)                         # a damaged store of this tool is replaced
+    write(tmp_path / "c", k=5, overwrite=True)                    # a store of this tool is replaced
     (tmp_path / "empty").mkdir()                                  # an empty folder is used
     write(tmp_path / "empty")
-    assert TopKCacheReader(tmp_path / "c").spec.k == TopKCacheReader(tmp_path / "empty").spec.k == K
+    assert TopKCacheReader(tmp_path / "c").spec.k == 5 and TopKCacheReader(tmp_path / "empty").spec.k == K
 
 
 def _shard_index(path):
@@ -222,7 +220,7 @@ def _delete(store):
 @pytest.mark.parametrize("damage,sample,array,message", [
     (_repoint, 1, fmt.IDS, "shard index.*CRC32C"),
     (_flip, 1, fmt.TOKENS, r"chunk \(1, 0\).*CRC32C"),
-    (_delete, 5, fmt.LOGPROBS, "is missing")], ids=["repointed-index", "flipped-bit", "deleted-shard"])
+    (_delete, 5, fmt.LOGPROBS, "missing")], ids=["repointed-index", "flipped-bit", "deleted-shard"])
 def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys, damage, sample, array, message):
     """Each damage the issue found reading back silently raises in the reader and in ``inspect --verify``; plain
     zarr raises on the checksums and fills a missing shard with values no store holds; the rest still reads."""
@@ -253,18 +251,28 @@ def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
 
     write(tmp_path / "c")
     assert inspect_main([str(tmp_path / "c"), "--verify"]) == 0
-    assert f"every checksum of the {N} written samples matches" in capsys.readouterr().out
+    assert f"every checksum and record of the {N} written samples matches" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("field,factor", [("k", 0.5), ("seq_length", 0.5), ("num_samples", 2),
                                           ("samples_per_shard", 2)])
 def test_attributes_edited_against_the_arrays_are_refused(tmp_path, field, factor):
+    """Even with the attributes' checksum recomputed (a deliberate edit), the arrays' metadata give it away."""
     write(tmp_path / "c")
-    group = zarr.open_group(tmp_path / "c", mode="r+")
-    edited = int(group.attrs[field] * factor)
-    group.attrs[field] = edited
+    edited = int(zarr.open_group(tmp_path / "c", mode="r").attrs[field] * factor)
+    _edit_attributes(tmp_path / "c", **{field: edited})
     with pytest.raises(ValueError, match=f"attributes \\(.*{field}={edited}.*\\) do not match the array"):
         TopKCacheReader(tmp_path / "c")
+
+
+def _edit_attributes(store, recompute=True, **changes):
+    """The group attributes edited, their ``identity`` checksum recomputed (``recompute``) as a deliberate edit
+    would."""
+    group = zarr.open_group(store, mode="r+")
+    attrs = dict(group.attrs) | changes
+    if recompute:
+        attrs["identity"] = fmt.store_identity(CacheSpec.from_attrs(attrs))
+    group.attrs.put(attrs)
 
 
 def test_damaged_metadata_give_a_clear_error(tmp_path, capsys):
@@ -544,3 +552,249 @@ def test_stores_written_before_the_sampled_mode_stay_readable(tmp_path):
     group.attrs.put(attrs)
     reader = TopKCacheReader(tmp_path / "c")
     assert reader.spec.mode == "topk" and fmt.SAMPLE_WEIGHTS not in reader[0]
+
+
+def _swap(first, second):
+    data = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(data)
+
+
+@pytest.mark.parametrize("array", [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS])
+def test_swapped_shard_files_raise_and_verify_names_both(tmp_path, capsys, array):
+    """Issue 20 item 1: swapped shard files keep valid chunk checksums; their records give them away."""
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    suffix = ("0",) * (1 if array == fmt.TOKENS else 2)
+    _swap(tmp_path / "c" / array / "c" / "0" / pathlib.Path(*suffix), tmp_path / "c" / array / "c" / "1" /
+          pathlib.Path(*suffix))
+    reader = TopKCacheReader(tmp_path / "c")
+    for sample in (0, 5):
+        with pytest.raises(ValueError, match=f"{array}/c/{sample // 4}/.*samples \\[{sample // 4 * 4}, "
+                                             f"{sample // 4 * 4 + 4}\\)\\): the chunk of sample {sample} was not "
+                                             "written there.*--repair"):
+            reader[sample]
+    reader[9]                                                     # shard 2 untouched
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2
+    out = capsys.readouterr().out
+    assert "2 of 3 written shards" in out and "shard 0 (samples [0, 4))" in out and "shard 1 (samples [4, 8))" in out
+    assert inspect_main([str(tmp_path / "c"), "--samples", str(N)]) == 2   # the statistics' reads see it too
+    assert "was not written there" in capsys.readouterr().out
+
+
+def test_a_chunk_moved_inside_its_shard_with_the_index_checksum_recomputed_raises(tmp_path):
+    """What CRC32Cs alone cannot see (a deliberate index edit): the record of the place still differs."""
+    import google_crc32c
+
+    write(tmp_path / "c")
+    shard = tmp_path / "c" / fmt.IDS / "c" / "0" / "0" / "0"
+    index, start = _shard_index(shard)
+    index[1] = index[2]
+    data = bytearray(shard.read_bytes())
+    data[start:start + 64] = index.tobytes()
+    data[start + 64:start + 68] = google_crc32c.value(bytes(data[start:start + 64])).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="the chunk of sample 1 was not written there"):
+        TopKCacheReader(tmp_path / "c")[1]
+
+
+def test_a_shard_copied_from_a_store_of_another_teacher_raises(tmp_path):
+    write(tmp_path / "c")
+    write(tmp_path / "other", logits_fn=table_teacher(seed=5)[1], teacher="another teacher")   # same shapes
+    file = pathlib.Path(fmt.LOGPROBS, "c", "1", "0", "0")
+    (tmp_path / "c" / file).write_bytes((tmp_path / "other" / file).read_bytes())
+    with pytest.raises(ValueError, match="teacher_logprobs/c/1/0/0 .*sample 4 was not written there"):
+        TopKCacheReader(tmp_path / "c")[4]
+
+
+@pytest.mark.parametrize("array,edit,path", [
+    (fmt.IDS, lambda d: d["codecs"][0]["configuration"]["codecs"][1]["configuration"].update(endian="big"),
+     "codecs[0].configuration.codecs[1].configuration.endian 'big' on disk, 'little' implied"),
+    (fmt.TOKENS, lambda d: d["codecs"][0]["configuration"]["codecs"][0]["configuration"].update(endian="big"),
+     "codecs[0].configuration.codecs[0].configuration.endian 'big' on disk, 'little' implied"),
+    (fmt.IDS, lambda d: d["codecs"][0]["configuration"]["codecs"][0]["configuration"].update(dtype="<i2"),
+     "codecs[0].configuration.codecs[0].configuration.dtype '<i2' on disk, '<i4' implied"),
+    (fmt.LOGPROBS, lambda d: d.update(fill_value=0.0), "fill_value 0.0 on disk, 'NaN' implied")])
+def test_codec_settings_edited_in_an_arrays_zarr_json_are_refused(tmp_path, capsys, array, edit, path):
+    """Issue 20 item 2: every setting of every array's zarr.json is compared, not just the codec names."""
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "c")
+    file = tmp_path / "c" / array / "zarr.json"
+    document = json.loads(file.read_text())
+    edit(document)
+    file.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=re.escape(f"{file}: the attributes (") + ".*" + re.escape(path)):
+        TopKCacheReader(tmp_path / "c")
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2 and path in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 48), ("temperature", 2.0), ("fingerprint", "other data"),
+                                         ("logprob_codec", "fp16"), ("teacher", "another")])
+def test_edited_attributes_fail_their_checksum_and_recomputing_it_fails_every_record(tmp_path, field, value):
+    """Issue 20 item 3: an edited attribute is refused on open; with the checksum recomputed too, every chunk's
+    record (bound to the old identity) refuses the rows."""
+    write(tmp_path / "c")
+    original = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    _edit_attributes(tmp_path / "c", recompute=False, **{field: value})
+    with pytest.raises(ValueError, match="the attributes that decide how rows are read and trained on do not match "
+                                         "their checksum"):
+        TopKCacheReader(tmp_path / "c")
+    (tmp_path / "c" / "zarr.json").write_text(json.dumps(original))
+    _edit_attributes(tmp_path / "c", **{field: value})
+    if field == "logprob_codec":                                  # the arrays' metadata differ first
+        with pytest.raises(ValueError, match="do not match the array teacher_logprobs"):
+            TopKCacheReader(tmp_path / "c")
+        return
+    reader = TopKCacheReader(tmp_path / "c")
+    for sample in range(N):
+        with pytest.raises(ValueError, match=f"the chunk of sample {sample} was not written there"):
+            reader[sample]
+
+
+def test_ids_outside_the_vocabulary_raise_even_with_every_checksum_and_record_recomputed(tmp_path):
+    from megatron_kd_plugin.cache.records import shard_records
+
+    write(tmp_path / "c")
+    ids = zarr.open_group(tmp_path / "c", mode="r")[fmt.IDS][:]
+    _edit_attributes(tmp_path / "c", vocab_size=int(ids[..., -1].max()))          # the largest id no longer fits
+    group = zarr.open_group(tmp_path / "c", mode="r+")
+    spec = CacheSpec.from_attrs(dict(group.attrs))
+    for shard in range(spec.num_shards):
+        group[fmt.RECORDS][slice(*spec.shard_range(shard))] = shard_records(tmp_path / "c", group, spec, shard)
+    reader = TopKCacheReader(tmp_path / "c")
+    bad = int(np.flatnonzero((ids[..., -1] >= spec.vocab_size).any(-1))[0])
+    with pytest.raises(ValueError, match=f"sample {bad} holds the id {spec.vocab_size}, outside the teacher "
+                                         f"vocabulary \\[0, {spec.vocab_size}\\)"):
+        reader[bad]
+
+
+def test_a_reader_opened_before_the_store_was_replaced_says_so(tmp_path):
+    """Issue 20 item 4: cached shard indexes and all, the old reader serves nothing of the new store."""
+    write(tmp_path / "c")
+    reader = TopKCacheReader(tmp_path / "c")
+    for sample in range(N):
+        reader[sample]                                            # every shard index cached
+    write(tmp_path / "c", k=5, overwrite=True)
+    for sample in range(N):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'c'} was replaced .* since this reader opened it"):
+            reader[sample]
+    assert TopKCacheReader(tmp_path / "c")[0]["teacher_ids"].shape == (S, 5)
+
+
+@pytest.mark.parametrize("layout", ["chunk-only", "bad-zarr-json"])
+def test_overwrite_never_deletes_a_folder_that_merely_looks_like_a_store(tmp_path, layout):
+    """Issue 20 item 5: "written by this tool" is decided by the store's own format attribute."""
+    user = tmp_path / "u"
+    (user / fmt.TOKENS / "c" / "0").mkdir(parents=True)
+    (user / fmt.TOKENS / "c" / "0" / "0").write_text("mine")
+    if layout == "bad-zarr-json":
+        (user / "zarr.json").write_text("my notes, not JSON")
+        (user / fmt.TOKENS / "zarr.json").write_text("{}")
+    before = _tree(user)
+    for overwrite in (True, False):
+        with pytest.raises(ValueError, match="not a cache store written by this tool"):
+            write(user, overwrite=overwrite)
+    assert _tree(user) == before
+
+
+def _damage_three_shards(store):
+    _flip(store)                                                  # tokens, shard 0
+    _delete(store)                                                # teacher_logprobs, shard 1
+    records = store / fmt.RECORDS / "c" / "2" / "0"
+    records.write_bytes(records.read_bytes()[:-1])                # chunk_records, shard 2: truncated
+
+
+def test_repair_rewrites_only_the_damaged_shards_byte_identical_to_a_clean_run(tmp_path, capsys):
+    """Issue 20 items 6 and 7: every command names the damage and --repair; the repair makes the clean store."""
+    from megatron_kd_plugin.cache.inspect import main as inspect_main
+
+    write(tmp_path / "clean")
+    write(tmp_path / "c")
+    _damage_three_shards(tmp_path / "c")
+    assert inspect_main([str(tmp_path / "c")]) == 2               # no --verify: the missing file is found
+    out = capsys.readouterr().out
+    assert "teacher_logprobs/c/1/0/0 (samples [4, 8))" in out and "--repair" in out
+    with pytest.raises(ValueError, match="files of written shards are missing.*--repair"):
+        write(tmp_path / "c")                                     # the plain resume does not say "nothing to do"
+    assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2
+    out = capsys.readouterr().out
+    assert "3 of 3 written shards" in out and all(f"shard {j} (samples" in out for j in range(3))
+    stats = write(tmp_path / "c", repair=True)
+    assert (stats.shards_written, stats.shards_skipped) == (3, 0)
+    assert _tree(tmp_path / "c") == _tree(tmp_path / "clean")
+    stats = write(tmp_path / "c", repair=True)                    # nothing damaged: nothing rewritten
+    assert (stats.shards_written, stats.shards_skipped) == (0, 3) and "0 of 3 written shards" in \
+        capsys.readouterr().out
+    with pytest.raises(ValueError, match="--repair rewrites the damaged shards of a store written with the same"):
+        write(tmp_path / "c", k=5, repair=True)
+
+
+def test_version_2_stores_read_with_a_warning_and_are_rewritten_only_with_overwrite(tmp_path):
+    write(tmp_path / "c")
+    expected = TopKCacheReader(tmp_path / "c")[3]
+    shutil.rmtree(tmp_path / "c" / fmt.RECORDS)                   # exactly the version 2 layout
+    attrs = dict(zarr.open_group(tmp_path / "c", mode="r").attrs)
+    del attrs["identity"]
+    zarr.open_group(tmp_path / "c", mode="r+").attrs.put(attrs | dict(version=2))
+    with pytest.warns(UserWarning, match="format version 2: its chunks are not bound .* plus --overwrite"):
+        reader = TopKCacheReader(tmp_path / "c")
+    assert all(torch.equal(value, expected[key]) for key, value in reader[3].items())
+    with pytest.raises(ValueError, match="version: requested 3, on disk 2"):
+        write(tmp_path / "c")
+    write(tmp_path / "c", overwrite=True)
+    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
+
+
+def test_an_existing_empty_folder_is_written_into_not_replaced(tmp_path, monkeypatch):
+    """Issue 20 item 9: a mount point cannot be removed or renamed onto (EBUSY); the folder itself is kept."""
+    import os
+
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real_rename, real_rmdir = os.rename, os.rmdir
+
+    def busy(path, *args, **kwargs):
+        if pathlib.Path(path) == mount or (args and pathlib.Path(args[0]) == mount):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return (real_rename if args else real_rmdir)(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", busy)
+    monkeypatch.setattr(os, "rmdir", busy)
+    write(mount)
+    write(mount, k=5, overwrite=True)                             # replacing keeps the folder too
+    assert TopKCacheReader(mount).spec.k == 5 and not (mount / fmt.CREATING).exists()
+    for entry in mount.iterdir():                                 # a creation inside it killed half way
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    (mount / fmt.CREATING / fmt.IDS).mkdir(parents=True)
+    (mount / fmt.TOKENS).mkdir()
+    write(mount)
+    assert TopKCacheReader(mount).spec.k == K
+
+
+def test_bad_tokenizer_and_jsonl_encodings_name_the_file_and_line(tmp_path):
+    from megatron_kd_plugin.cache.sources import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    with pytest.raises(ValueError, match=f"tokenizer {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(tmp_path / "tok.json"))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"{tmp_path / 'latin1.jsonl'}:2: not UTF-8 \\(byte 0xe9 at column 14\\)"):
+        jsonl_windows(str(tmp_path / "latin1.jsonl"), str(tmp_path / "tok.json"), 4)
+    (tmp_path / "utf16.jsonl").write_bytes('{"text": "a a a a a"}\n'.encode("utf-16"))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'utf16.jsonl'} is UTF-16 encoded"):
+        jsonl_windows(str(tmp_path / "utf16.jsonl"), str(tmp_path / "tok.json"), 4)
+
+
+def test_negative_token_ids_are_refused_before_any_work(tmp_path):
+    source = windows()
+    source.stream = source.stream.copy()
+    source.stream[30] = -3
+    with pytest.raises(ValueError, match="the token data: the data contain the token id -3, outside the teacher's "
+                                         f"vocabulary \\[0, {V}\\)"):
+        write(tmp_path / "c", source)
+    assert not (tmp_path / "c").exists()

@@ -1,6 +1,7 @@
 """tools/cache_teacher_logits.py end to end: torchrun TP=2 on an indexed dataset against a float64 TP=1
-reference; real SIGKILLs of a torchrun DP=2 run (torchrun and its workers) at several points, a second run
-refused while orphaned workers live, and a resume, byte-identical to one clean single-process run."""
+reference; real SIGKILLs of a torchrun DP=2 run (torchrun and its workers) at known shard boundaries (the workers
+pause themselves there: the writer's ``PAUSE_AFTER_SHARDS`` hook), a second run refused while orphaned workers
+live, and a resume, byte-identical to one clean single-process run; bad data and teacher files."""
 
 import os
 import pathlib
@@ -18,7 +19,7 @@ import torch
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.gpt import GPTSpec
-from tests.distributed import run_on_ranks
+from tests.distributed import run_on_ranks, scaled
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "cache_teacher_logits.py"
@@ -79,7 +80,7 @@ def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_sett
     result = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--tp", "2",
                                            "--num-samples", "10", "--micro-batch-size", "3",
                                            "--logprob-codec", "fp32", "--samples-per-shard", "4", nproc=2),
-                            env=_env(2), capture_output=True, text=True, timeout=300)
+                            env=_env(2), capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "overhead (total / plain forward)" in result.stdout and "bytes/token" in result.stdout
     reader = TopKCacheReader(output)
@@ -93,10 +94,10 @@ def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_sett
         assert torch.equal(sample["teacher_ids"], ids)
         torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, ids), atol=2e-5, rtol=0)
     refused = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--num-samples", "10",
-                                            "--topk", "4"), env=_env(1), capture_output=True, text=True, timeout=300)
+                                            "--topk", "4"), env=_env(1), capture_output=True, text=True, timeout=scaled(600))
     assert refused.returncode != 0 and "pass --overwrite" in refused.stderr and "k: requested 4" in refused.stderr
     pp = subprocess.run(_cache_command(work / "teacher", str(work / "data"), work / "pp.zarr", "--pp", "2"),
-                        env=_env(1), capture_output=True, text=True, timeout=300)
+                        env=_env(1), capture_output=True, text=True, timeout=scaled(600))
     assert pp.returncode != 0 and "pipeline parallelism is not supported" in pp.stderr
 
 
@@ -114,30 +115,34 @@ def _done(output) -> int:
     return done
 
 
-def _kill_when(command, output, shards_done, *, orphan_workers=False, timeout=240):
-    """Starts the torchrun ``command`` and, once ``shards_done`` shards are marked done and this run has made
-    progress of its own, SIGKILLs torchrun's process group and every worker (torch elastic starts each in its own
-    session: killing torchrun's group alone leaves them running). ``orphan_workers``: kill torchrun's group only,
-    as ``kill -9 -PGID`` does, and return its workers paused (SIGSTOP), so that they are certainly still alive
-    when a second run starts; else return []."""
-    target = max(shards_done, _done(output) + 1)       # a previous run may have got past shards_done already
-    proc = subprocess.Popen(command, env=_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+def _kill_paused(command, output, pause_after, *, orphan_workers=False, timeout=scaled(600)):
+    """Starts the torchrun ``command`` with each worker stopping itself (SIGSTOP: the writer's test hook
+    ``PAUSE_AFTER_SHARDS``) once it has written ``pause_after`` shards in this run, waits until both are stopped
+    (a shard boundary, whatever the machine's speed), then SIGKILLs torchrun's process group and every worker
+    (torch elastic starts each in its own session: killing torchrun's group alone leaves them running).
+    ``orphan_workers``: kill torchrun's group only, as ``kill -9 -PGID`` does, and return its stopped workers, still
+    alive when a second run starts; else return []."""
+    from megatron_kd_plugin.cache.writer import PAUSE_AFTER_SHARDS
+
+    proc = subprocess.Popen(command, env=_env(2) | {PAUSE_AFTER_SHARDS: str(pause_after)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
-    while _done(output) < target:
+    while True:
+        try:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+            if len(workers) == 2 and all(worker.status() == psutil.STATUS_STOPPED for worker in workers):
+                break
+        except psutil.NoSuchProcess:
+            pass
         if proc.poll() is not None:
             errors = [line for line in proc.stderr.read().decode().splitlines() if "error:" in line]
-            raise AssertionError(f"the tool ended before it could be killed: {errors[-5:]}")
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    for worker in workers if orphan_workers else ():
-        worker.suspend()
+            raise AssertionError(f"the tool ended before its workers paused: {errors[-5:]}")
+        assert time.monotonic() < deadline, "the workers did not pause in time"
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     for worker in () if orphan_workers else workers:
         worker.kill()
     proc.wait()
-    assert len(workers) == 2
     if orphan_workers:
         assert all(map(_alive, workers))
         return workers
@@ -152,7 +157,7 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def _wait_dead(processes, timeout=30):
+def _wait_dead(processes, timeout=scaled(30)):
     deadline = time.monotonic() + timeout
     while any(map(_alive, processes)):
         assert time.monotonic() < deadline, processes
@@ -172,28 +177,35 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
     clean, killed = work / "clean.zarr", work / "killed.zarr"
     plain = _cache_command(work / "teacher", str(work / "data"), killed, *args)
     assert subprocess.run(_cache_command(work / "teacher", str(work / "data"), clean, *args), env=_env(1),
-                          capture_output=True, timeout=300).returncode == 0
+                          capture_output=True, timeout=scaled(600)).returncode == 0
     dp2 = _cache_command(work / "teacher", str(work / "data"), killed, *args, nproc=2)   # DP=2 writers
     marks = []
-    for shards_done in (0, 4):                             # right after creation, then mid-run
-        _kill_when(dp2, killed, shards_done)
+    for pause_after in (0, 2):                             # right after creation, then after 2 shards per rank
+        _kill_paused(dp2, killed, pause_after)
         marks.append(_done(killed))
-    orphans = _kill_when(dp2, killed, 9, orphan_workers=True)
+    orphans = _kill_paused(dp2, killed, 2, orphan_workers=True)
     try:
-        second = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
+        second = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=scaled(600))
     finally:                                               # then the orphans die too, wherever they were (and
         for worker in orphans:                             # never outlive a failing test, paused)
             worker.kill()
     assert second.returncode != 0 and f"another run is writing {killed}" in second.stderr, second.stderr[-2000:]
     _wait_dead(orphans)
     marks.append(_done(killed))
-    assert marks[0] < marks[1] < marks[2] < 16, marks   # three distinct points, each before the end
+    assert marks == [0, 4, 8], marks                        # each kill at a known shard boundary
     with pytest.raises(ValueError, match="unfinished"):
         TopKCacheReader(killed)
-    resumed = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(plain, env=_env(1), capture_output=True, text=True, timeout=scaled(600))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
     assert not list(killed.rglob("*.partial"))
+    shard = killed / fmt.IDS / "c" / "3" / "0" / "0"                  # damage, then the command's --repair
+    shard.write_bytes(shard.read_bytes()[:-3])
+    repaired = subprocess.run(plain + ["--repair"], env=_env(1), capture_output=True, text=True,
+                              timeout=scaled(600))
+    assert repaired.returncode == 0 and "1 of 16 written shards damaged, rewriting them" in repaired.stdout, \
+        repaired.stderr[-3000:]
+    assert _tree(killed) == _tree(clean)
 
 
 def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
@@ -218,7 +230,7 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
                                              "--logprob-codec", "fp32", "--samples-per-shard", "4", nproc=2)
                if arg not in ("--topk", str(K))] + ["--sample", str(n), "--proposal-temperature", str(t),
                                                     "--sample-seed", "3"]
-    result = subprocess.run(command, env=_env(2), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, env=_env(2), capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sampled N=16" in result.stdout
     reader = TopKCacheReader(output)
@@ -251,3 +263,57 @@ def test_cli_refuses_bad_sampling_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "8", *argv])
     assert message in capsys.readouterr().err
+
+
+def _cut(path, size):
+    path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: _cut(d / "d.idx", 20), r"d.idx is not a Megatron indexed-dataset index: 20 bytes, shorter than the "
+                                      "34-byte header"),
+    (lambda d: (d / "d.idx").write_bytes(b"garbage" * 40), r"d.idx is not a Megatron indexed-dataset index: 280 "
+                                                           "bytes without the indexed-dataset header"),
+    (lambda d: _cut(d / "d.idx", (d / "d.idx").stat().st_size // 2), r"d.idx is not a Megatron indexed-dataset "
+                                                                      "index: .* truncated or damaged"),
+    (lambda d: _cut(d / "d.bin", 0), r"d.bin is empty")], ids=["idx-20-bytes", "idx-garbage", "idx-half", "bin-empty"])
+def test_damaged_indexed_datasets_are_one_line_naming_the_file(teacher_and_data, tmp_path, capfd, damage, message):
+    import gc
+
+    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+
+    work = teacher_and_data[0]
+    for suffix in (".idx", ".bin"):
+        shutil.copy(work / f"data{suffix}", tmp_path / f"d{suffix}")
+    damage(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path}/{message}"):
+        indexed_dataset_windows(str(tmp_path / "d"), S)
+    gc.collect()                                                  # megatron's half-built readers would complain here
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_a_truncated_teacher_checkpoint_is_named(teacher_and_data, tmp_path):
+    from megatron_kd_plugin.gpt import SPEC_FILE, WEIGHTS_FILE, load_gpt
+
+    work = teacher_and_data[0]
+    shutil.copy(work / "teacher" / SPEC_FILE, tmp_path / SPEC_FILE)
+    (tmp_path / WEIGHTS_FILE).write_bytes((work / "teacher" / WEIGHTS_FILE).read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{tmp_path / WEIGHTS_FILE} cannot be read .*truncated or damaged"):
+        load_gpt(tmp_path, tp_size=1)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_the_teacher_runs(teacher_and_data, tmp_path):
+    """One line naming the .bin, exit 2, nothing at --output (the id, -1, would index the embedding)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    builder.add_document(np.array([1, 2, -1] + [3] * 40, dtype=np.int32), [43])
+    builder.finalize(str(tmp_path / "d.idx"))
+    result = subprocess.run(_cache_command(teacher_and_data[0] / "teacher", str(tmp_path / "d"), tmp_path / "out",
+                                           "--num-samples", "2"), env=_env(1), capture_output=True, text=True,
+                            timeout=scaled(600))
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and errors[-1] == (
+        f"error: {tmp_path / 'd.bin'}: the data contain the token id -1, outside the teacher's vocabulary [0, 64): "
+        "data tokenized for another vocabulary?"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

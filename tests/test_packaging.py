@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from megatron_kd_plugin.demo.pipeline import PRESETS
+from tests.distributed import scaled
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ def install_package(target: pathlib.Path) -> pathlib.Path:
         shutil.copytree(REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(source)], check=True, capture_output=True,
-                   timeout=120)
+                   timeout=scaled(120))
     return target
 
 
@@ -66,12 +67,12 @@ def test_installed_package_runs_without_the_repository(tmp_path):
     env = outside_repo_env(installed)
 
     usage = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "--help"], cwd=elsewhere, env=env,
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=scaled(60))
     assert usage.returncode == 0, usage.stderr
     assert all(command in usage.stdout for command in ("demo", "cache", "train", "inspect"))
 
     done = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], cwd=elsewhere, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stderr[-5000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report["files"]) > 20

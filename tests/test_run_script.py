@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,7 @@ def test_run_script_without_python_312_explains_and_changes_nothing(tmp_path, co
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "no-pyenv"),
            "KD_VENV": str(venv)}
     result = subprocess.run([str(bin_dir / "bash"), str(REPO / "tools" / "run.sh"), command],
-                            env=env, capture_output=True, text=True, timeout=60)
+                            env=env, capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 1
     assert "needs Python >= 3.12" in result.stderr and "pyenv install 3.12" in result.stderr
     assert not venv.exists()

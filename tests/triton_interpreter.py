@@ -22,9 +22,11 @@ def interpreter_active() -> bool:
 
 def run_module_interpreted(test_module: str) -> str:
     """Run ``pytest test_module`` under TRITON_INTERPRET=1; fail with its output unless every test passed."""
+    from tests.distributed import scaled
+
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
-                          test_module], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          test_module], cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]
     return run.stdout

@@ -25,6 +25,11 @@ report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, 
 qwen3|qwen3_moe`` does the same with a randomly initialised Hugging Face checkpoint of that shape (made and saved
 by ``transformers``, loaded by the tool through Megatron-Bridge), at each ``--tp`` times each ``--ep``.
 
+``--integrity-cost`` measures what the format version 3 checks cost the reader (issue 20): the default-codec
+store read as written (chunk records checked) and the same store with its ``chunk_records`` removed and its
+version set to 2 (read without them, as a version 2 store is), in alternating rounds in this one process; best
+rate of each, their ratio, and the bytes/token of ``chunk_records``.
+
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
 a, b are set so that the mean top-100 mass is ~0.9 and the mean entropy ~2.5 nats, like a mid-size LM on text.
@@ -102,6 +107,40 @@ def reader_rate(read, n: int, tokens_per_sample: int, repeats: int = 5) -> tuple
         best_wall = max(best_wall, tokens / (time.perf_counter() - wall))
         best_cpu = max(best_cpu, tokens / max(time.process_time() - cpu, 1e-9))
     return best_wall, best_cpu
+
+
+def integrity_cost(source, logits_fn, vocab: int, args, work: pathlib.Path, label: str) -> None:
+    """Prints the reader's rate on a version 3 store and on the same store read as version 2 (see the docstring)."""
+    import warnings
+
+    v3, v2 = work / "v3", work / "v2"
+    write_cache(source, logits_fn, v3, k=args.k, vocab_size=vocab, teacher="bench", samples_per_shard=8,
+                micro_batch_size=args.micro_batch_size, progress=False)
+    shutil.copytree(v3, v2)
+    shutil.rmtree(v2 / fmt.RECORDS)
+    group = zarr.open_group(v2, mode="r+")
+    attrs = dict(group.attrs)
+    del attrs["identity"]
+    group.attrs.put(attrs | dict(version=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        readers = {"v3 (records checked)": TopKCacheReader(v3), "v2 (no records)": TopKCacheReader(v2)}
+    n, s = len(source), source.seq_length
+    best = {name: (0.0, 0.0) for name in readers}
+    for _ in range(args.rounds):
+        for name, reader in readers.items():
+            wall, cpu = reader_rate(reader.__getitem__, n, s, repeats=3)
+            best[name] = (max(best[name][0], wall), max(best[name][1], cpu))
+    records = stored_bytes(v3)[fmt.RECORDS] / (n * s)
+    print(f"\n### reader cost of the integrity records, {label}: K={args.k}, {n} samples x {s} tokens, "
+          f"{fmt.DEFAULT_LOGPROB_CODEC}, best of {args.rounds} alternating rounds x 3 passes\n")
+    print("| store | reader tok/s per CPU-s | wall | store B/tok |")
+    print("|---|---:|---:|---:|")
+    for name, path in (("v2 (no records)", v2), ("v3 (records checked)", v3)):
+        total = sum(stored_bytes(path).values()) / (n * s)
+        print(f"| {name} | {best[name][1]:,.0f} | {best[name][0]:,.0f} | {total:.2f} |")
+    ratio = best["v3 (records checked)"][1] / best["v2 (no records)"][1]
+    print(f"\nv3 / v2 reader rate per CPU-s: {ratio:.3f}; chunk_records: {records:.3f} B/token")
 
 
 def baseline_rows(exact, k, work: pathlib.Path) -> list[dict]:
@@ -339,6 +378,9 @@ def main() -> None:
     parser.add_argument("--overhead-hf", default=None, choices=sorted(OVERHEAD_HF_SPECS),
                         help="--overhead with a Hugging Face teacher of this architecture instead")
     parser.add_argument("--ep", type=int, nargs="+", default=[1], help="EP sizes for --overhead-hf qwen3_moe")
+    parser.add_argument("--integrity-cost", action="store_true",
+                        help="reader cost of format version 3's records, against the same store read as version 2")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds for --integrity-cost")
     args = parser.parse_args()
     if args.overhead or args.overhead_hf:
         overhead_runs(args)
@@ -365,6 +407,9 @@ def main() -> None:
                 print("|---|---:|---:|---:|---:|---:|---:|")
                 print("\n".join(sampled_rows(source, logits_fn, vocab, args.draws, args.topks, work,
                                              args.micro_batch_size)))
+                continue
+            if args.integrity_cost:
+                integrity_cost(source, logits_fn, vocab, args, work, label)
                 continue
             exact = exact_topk(source, logits_fn, args.k)
             rows = baseline_rows(exact, args.k, work)

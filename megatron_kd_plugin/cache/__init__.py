@@ -4,8 +4,8 @@ N ids drawn from the teacher with their log-probs.
 ``format.py`` the store schema, ``topk.py`` vocab-parallel top-K extraction, ``sample.py`` vocab-parallel
 sampling and the importance weights, ``sources.py`` token windows
 (Megatron indexed dataset or JSONL + tokenizer), ``writer.py`` the resumable (DP x TP) writer, ``lock.py`` its
-one-run-at-a-time lock, ``reader.py`` random access as torch tensors (``chunk_reader.py`` its checking chunk
-reads), ``inspect.py`` the ``python -m megatron_kd_plugin inspect`` command.
+one-run-at-a-time lock, ``reader.py`` random access as torch tensors (``records.py`` its checked sample reads,
+``chunk_reader.py`` the checking chunk reads under them), ``inspect.py`` the ``python -m megatron_kd_plugin inspect`` command.
 """
 
 from megatron_kd_plugin.cache.format import CacheSpec

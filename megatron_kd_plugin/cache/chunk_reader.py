@@ -10,10 +10,11 @@ numcodecs (zarr's own codec library). It accepts only layouts it understands (in
 ``bytes``/``blosc``/``zstd``/``numcodecs.*``, optionally ``crc32c`` last); :func:`open_chunk_reader` returns None
 for anything else. Tests compare it with zarr's reads.
 
-It reads stores in which every chunk was written (format version 2, ``format.py``): a missing shard file, an
-empty index entry, an index entry outside the file, a checksum that does not match, or a chunk that decodes to
-the wrong size raises :class:`DamagedStoreError` naming the file, where zarr would return the fill value for the
-first two.
+It reads stores in which every chunk was written (format versions 2 and 3, ``format.py``): a missing shard file,
+an empty index entry, an index entry outside the file, a checksum that does not match, or a chunk that decodes to
+the wrong size raises :class:`DamagedStoreError` naming the file and the samples (rows of the first axis) the
+shard holds, where zarr would return the fill value for the first two. :meth:`ShardedChunkReader.read` also
+returns the chunk's CRC32C, which the store's records bind to the chunk's place (``records.py``).
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ class DamagedStoreError(ValueError):
     """A store's file does not hold what its metadata say (missing, truncated, checksum mismatch)."""
 
 
-def _checked(data: bytes, what: str) -> np.ndarray:
-    """``data`` without its trailing little-endian CRC32C (a uint8 view, no copy), after comparing that with the
-    CRC32C of the rest."""
+REPAIR = ("rewrite the damaged shards: rerun the cache command that wrote the store with --repair added "
+          "(`python -m megatron_kd_plugin inspect STORE --verify` lists them)")
+"""What every damage error tells the user to do."""
+
+
+def _checked(data: bytes, what: str) -> tuple[np.ndarray, int]:
+    """(``data`` without its trailing little-endian CRC32C (a uint8 view, no copy), that CRC32C), after comparing
+    it with the CRC32C of the rest."""
     view = np.frombuffer(data, dtype=np.uint8)
-    if len(view) < 4 or google_crc32c.value(view[:-4]) != int.from_bytes(data[-4:], "little"):
+    stored = int.from_bytes(data[-4:], "little")
+    if len(view) < 4 or google_crc32c.value(view[:-4]) != stored:
         raise DamagedStoreError(f"{what}: stored and computed CRC32C checksums do not match (the file is damaged; "
-                                "rewrite the store: rerun the cache command that wrote it, plus --overwrite)")
-    return view[:-4]
+                                f"{REPAIR})")
+    return view[:-4], stored
 
 
 class ShardedChunkReader:
@@ -52,6 +59,8 @@ class ShardedChunkReader:
         self.root, self.metadata = root, array.metadata
         self.chunk_shape = tuple(sharding.chunk_shape)
         shard_shape = tuple(array.metadata.chunk_grid.chunk_shape)
+        self.rows, self.rows_per_shard = array.metadata.shape[0], shard_shape[0]
+        self.row_name = "samples" if (array.metadata.dimension_names or ("",))[0] == "sample" else "rows"
         self.per_shard = tuple(s // c for s, c in zip(shard_shape, self.chunk_shape))
         self.index_bytes = 16 * math.prod(self.per_shard) + 4
         self.dtype = np.dtype(array.dtype)
@@ -76,38 +85,71 @@ class ShardedChunkReader:
         if index is None:
             size = os.fstat(fd).st_size
             if size < self.index_bytes:
-                raise DamagedStoreError(f"{path}: {size} bytes, shorter than its {self.index_bytes}-byte shard "
-                                        "index (the file is truncated)")
-            raw = _checked(os.pread(fd, self.index_bytes, size - self.index_bytes), f"{path} (shard index)")
+                raise DamagedStoreError(f"{self.where(path, shard)}: {size} bytes, shorter than its "
+                                        f"{self.index_bytes}-byte shard index (the file is truncated; {REPAIR})")
+            raw = _checked(os.pread(fd, self.index_bytes, size - self.index_bytes),
+                           f"{self.where(path, shard)} (shard index)")[0]
             index = raw.view("<u8").reshape(*self.per_shard, 2)
             stored = index[..., 0] != _EMPTY
             if np.any(index[..., 0][stored] + index[..., 1][stored] > size - self.index_bytes):
-                raise DamagedStoreError(f"{path}: its shard index points past the chunk data (the file is "
-                                        "truncated or damaged)")
+                raise DamagedStoreError(f"{self.where(path, shard)}: its shard index points past the chunk data "
+                                        f"(the file is truncated or damaged; {REPAIR})")
             if len(self._index_cache) > 4096:
                 self._index_cache.clear()
             self._index_cache[shard] = index
         return index
 
-    def read(self, coords: tuple[int, ...]) -> np.ndarray:
+    def where(self, path: pathlib.Path, shard: tuple[int, ...]) -> str:
+        """``path`` and the samples (rows) its shard holds, for error messages."""
+        begin = shard[0] * self.rows_per_shard
+        return f"{path} ({self.row_name} [{begin}, {min(begin + self.rows_per_shard, self.rows)}))"
+
+    def clear(self) -> None:
+        """Forgets the cached shard indexes (the files may have been replaced)."""
+        self._index_cache.clear()
+
+    def shard_path(self, coords: tuple[int, ...]) -> pathlib.Path:
+        """The shard file that holds the chunk at ``coords``."""
+        return self.root / self.metadata.encode_chunk_key(tuple(c // p for c, p in zip(coords, self.per_shard)))
+
+    def stored_checksums(self, coords: tuple[int, ...]) -> np.ndarray:
+        """The stored CRC32C of every chunk of the shard holding ``coords``, ``[*per_shard]`` uint32 (0 where a
+        chunk is not stored), read fresh from the file (its index checked); what a writer binds to their places."""
+        shard = tuple(c // p for c, p in zip(coords, self.per_shard))
+        path = self.root / self.metadata.encode_chunk_key(shard)
+        self._index_cache.pop(shard, None)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            index = self._index(shard, fd, path)
+            checksums = np.zeros(self.per_shard, dtype=np.uint32)
+            for local in zip(*np.nonzero(index[..., 0] != _EMPTY)):
+                offset, nbytes = index[local]
+                checksums[local] = int.from_bytes(os.pread(fd, 4, int(offset + nbytes - 4)), "little")
+        finally:
+            os.close(fd)
+        return checksums
+
+    def read(self, coords: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """(the decoded inner chunk at chunk-grid coordinates ``coords``, its stored (and checked) CRC32C)."""
         shard = tuple(c // p for c, p in zip(coords, self.per_shard))
         local = tuple(c % p for c, p in zip(coords, self.per_shard))
         path = self.root / self.metadata.encode_chunk_key(shard)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise DamagedStoreError(f"{path} is missing: every shard of a complete store is written (the store is "
-                                    "damaged; rewrite it: rerun the cache command that wrote it, plus --overwrite)"
-                                    ) from None
+            raise DamagedStoreError(f"{self.where(path, shard)} is missing: every shard of a complete store is "
+                                    f"written (the store is damaged; {REPAIR})") from None
         try:
             offset, nbytes = self._index(shard, fd, path)[local]
             if offset == _EMPTY:
-                raise DamagedStoreError(f"{path}: chunk {local} is not stored (every chunk of a complete store is)")
+                raise DamagedStoreError(f"{self.where(path, shard)}: chunk {local} is not stored (every chunk of a "
+                                        f"complete store is; {REPAIR})")
             data = os.pread(fd, int(nbytes), int(offset))
         finally:
             os.close(fd)
+        checksum = None
         if self.checksummed:
-            data = _checked(data, f"{path} (chunk {local})")
+            data, checksum = _checked(data, f"{self.where(path, shard)}, chunk {local}")
         for codec in reversed(self.compressors):
             data = codec.decode(data)
         values = np.frombuffer(data, dtype=self.dtype)
@@ -115,9 +157,9 @@ class ShardedChunkReader:
             values = codec.decode(values)
         values = np.asarray(values).view(self.dtype)
         if values.nbytes != self.chunk_nbytes:
-            raise DamagedStoreError(f"{path}: chunk {local} decodes to {values.nbytes} bytes, expected "
-                                    f"{self.chunk_nbytes}")
-        return values.reshape(self.chunk_shape)
+            raise DamagedStoreError(f"{self.where(path, shard)}: chunk {local} decodes to {values.nbytes} bytes, "
+                                    f"expected {self.chunk_nbytes} ({REPAIR})")
+        return values.reshape(self.chunk_shape), checksum
 
 
 def open_chunk_reader(root, array: zarr.Array) -> ShardedChunkReader | None:

@@ -17,7 +17,8 @@ Parallelism (HF teachers): ``--tp``, ``--pp`` (forward only; the last stage take
 does, expert TP = TP) and data parallelism over the rest: world = TP x PP x DP, EP dividing DP. ``save_gpt`` and
 loader teachers take ``--tp`` and DP. A MoE teacher runs as in inference (no token dropping, no aux losses, no
 MTP). Every setting is checked before the teacher is built. Rerunning the same command resumes a killed run;
-``--overwrite`` replaces a store written with other settings.
+``--overwrite`` replaces a store written with other settings; the same command plus ``--repair`` checks every
+written shard and rewrites the damaged ones (byte-identical to a clean run).
 
 ``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
@@ -75,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--logprob-codec", default=fmt.DEFAULT_LOGPROB_CODEC, choices=sorted(fmt.LOGPROB_CODECS))
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
     p.add_argument("--overwrite", action="store_true", help="replace a store written with other settings")
+    p.add_argument("--repair", action="store_true", help="check every written shard of the store (written with "
+                   "these settings) and rewrite the damaged ones")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.sample is None:
@@ -232,7 +235,7 @@ def run(args) -> None:
             samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
             micro_batch_size=args.micro_batch_size, mode=args.mode,
             proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-            sample_seed=args.sample_seed or 0, overwrite=args.overwrite,
+            sample_seed=args.sample_seed or 0, overwrite=args.overwrite, repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
             progress=not args.no_progress, after_shards=teacher.finish)

@@ -7,16 +7,25 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
     teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
+    chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below)         0
     shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)   0
     .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
 
-Integrity (format version 2): every chunk, inner chunks of shards and ``shard_done`` included, ends with its
+Integrity (format version 3): every chunk, inner chunks of shards and ``shard_done`` included, ends with its
 CRC32C (zarr's ``crc32c`` codec, the last codec of each chain), and the shard index carries its own CRC32C
 (the sharding codec's index codecs). The fill values are values no written chunk can hold (ids and tokens
 are >= 0, log-probs and logsumexps are finite), so zarr stores every inner chunk of a written shard, and in a
-complete store a missing shard file or an empty index entry is damage, not data. :func:`open_store` checks
-every zarr.json against the layout :func:`create_store` writes for the store's attributes before any read.
-Version 1 stores (no chunk checksums, fill value 0) are refused with a message saying how to rewrite them.
+complete store a missing shard file or an empty index entry is damage, not data. The group attribute
+``identity`` is the SHA-256 of ``format``, ``version`` and every :class:`CacheSpec` field (:func:`store_identity`):
+the checksum of the attributes that decide how rows are read and trained on, and the store's identity.
+``chunk_records[i, a]`` = CRC32C(identity, name of array a, i, the stored CRC32C of sample i's chunk of array a)
+over the A per-sample arrays (those whose first dimension is ``sample``, sorted by name; the records array's
+attribute ``arrays`` lists them): it binds every chunk to its array, its sample and its store (``records.py``
+checks it on every read). :func:`open_store` checks the identity and compares every array's whole zarr.json
+(normalised by zarr's own metadata classes: shapes, dtype, chunk grid, codecs with every setting, fill value,
+dimension names) with what :func:`create_store` writes for the store's attributes, before any read. Version 2
+stores (no identity, no records) are read with a warning; version 1 stores (no chunk checksums, fill value 0)
+are refused with a message saying how to rewrite them.
 
 Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` given ``tokens[i, :t+1]``:
 ``teacher_logprobs[i, t, k] = log softmax(z / τ_c)[teacher_ids[i, t, k]]`` normalised over the teacher's FULL
@@ -37,10 +46,11 @@ computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``s
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
 temperature, teacher and tokenizer identity, source-data fingerprint, log-prob codec, shard size, proposal
-temperature, sample seed), ``complete`` and ``progress``.
+temperature, sample seed), ``identity`` (version 3), ``complete`` and ``progress``.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
-arrays are written first, its ``shard_done`` element last (each chunk file is replaced atomically by zarr's
+arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), its
+``shard_done`` element last (each chunk file is replaced atomically by zarr's
 LocalStore). A killed run restarted with the same settings redoes only the shards not marked done, and because
 the data of a shard depend only on that shard's samples, the result is byte-identical to an uninterrupted run.
 ``complete`` turns true (one atomic rewrite of the group's ``zarr.json``) only after every shard is marked done;
@@ -51,11 +61,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
+import hashlib
 import json
 import os
 import pathlib
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +77,8 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.codecs import numcodecs as numcodecs_zarr3
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.errors import ZarrUserWarning
 
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 
@@ -71,13 +86,16 @@ FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
-FORMAT_VERSION = 2
-"""2: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused, see
-:meth:`CacheSpec.from_attrs`)."""
+FORMAT_VERSION = 3
+"""3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to its place (2: without them;
+read with a warning); 2 and 3: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused,
+see :meth:`CacheSpec.from_attrs`)."""
+READ_VERSIONS = (2, 3)
 
-TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE = (
-    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "shard_done")
-ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, SHARD_DONE)
+TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
+    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
+    "shard_done")
+ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE)
 SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
@@ -176,8 +194,10 @@ class CacheSpec:
         begin = shard * self.samples_per_shard
         return begin, min(begin + self.samples_per_shard, self.num_samples)
 
-    def to_attrs(self) -> dict[str, Any]:
-        return dict(format=FORMAT_NAMES[self.mode], version=FORMAT_VERSION, **dataclasses.asdict(self))
+    def to_attrs(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
+        """The group attributes that describe the store (``complete`` and ``progress`` aside)."""
+        attrs = dict(format=FORMAT_NAMES[self.mode], version=version, **dataclasses.asdict(self))
+        return attrs | (dict(identity=store_identity(self, version)) if version >= 3 else {})
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "CacheSpec":
@@ -195,9 +215,9 @@ class CacheSpec:
             raise ValueError("cache format version 1 (no chunk checksums) is no longer read: a damaged chunk of it "
                              f"would read back as data; rewrite the store in version {FORMAT_VERSION} (rerun the "
                              "cache command that wrote it, plus --overwrite)")
-        if attrs.get("version") != FORMAT_VERSION:
+        if attrs.get("version") not in READ_VERSIONS:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
-                             f"(this reader reads version {FORMAT_VERSION})")
+                             f"(this reader reads versions {READ_VERSIONS})")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{key: value for key, value in attrs.items() if key in names})
@@ -213,32 +233,68 @@ class CacheSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+def store_identity(spec: CacheSpec, version: int = FORMAT_VERSION) -> str:
+    """SHA-256 (hex) of ``format``, ``version`` and every field of ``spec``: the store's identity (two stores with
+    the same identity hold the same rows: every shard depends only on the settings and its samples)."""
+    described = dict(format=FORMAT_NAMES[spec.mode], version=version, **dataclasses.asdict(spec))
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
 def _blosc(typesize: int, shuffle: str = "shuffle") -> BloscCodec:
     return BloscCodec(cname="zstd", clevel=5, shuffle=shuffle, typesize=typesize)
 
 
-def create_store(path, spec: CacheSpec) -> None:
-    """A new, empty store at ``path`` (which must not exist, or be an empty folder) with the arrays of ``spec``,
-    marked incomplete.
+CREATING = ".creating"
+"""The staging folder of a store created inside an existing empty folder (see :func:`create_store`)."""
 
-    Built in a sibling folder ``.NAME.creating`` and renamed into place, so a kill during creation never leaves a
-    store without its attributes at ``path``. The sibling is claimed by ``mkdir`` and locked while it is built: a
-    leftover of a killed attempt is replaced, one that a live run is building is refused (ValueError). An OSError
-    (a path that cannot be created, a full disk) names ``path`` and what to do, and leaves nothing behind.
+
+def create_store(path, spec: CacheSpec) -> None:
+    """A new, empty store at ``path`` with the arrays of ``spec``, marked incomplete. ``path`` must not exist, be
+    an empty folder (kept: a mount point works), or hold what a killed creation inside it left
+    (:func:`interrupted_creation`, cleaned first).
+
+    Built in a staging folder and moved into place, so a kill during creation never leaves a store without its
+    attributes at ``path``: a new ``path`` is the sibling ``.NAME.creating`` renamed; an existing folder gets the
+    entries of ``NAME/.creating`` renamed into it, the root zarr.json last. The staging folder is claimed by
+    ``mkdir`` and locked while it is built: a leftover of a killed attempt is replaced, one that a live run is
+    building is refused (ValueError). An OSError (a path that cannot be created, a full disk) names ``path`` and
+    what to do, and leaves nothing behind.
     """
     path = pathlib.Path(path)
-    staging = path.with_name(f".{path.name}.creating")
+    in_place = path.is_dir() and not path.is_symlink()
+    staging = path / CREATING if in_place else path.with_name(f".{path.name}.creating")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _claim(staging, path):
+            if in_place:
+                for entry in path.iterdir():             # a killed creation's entries (:func:`interrupted_creation`)
+                    if entry.name not in (CREATING, LOCK_NAME):
+                        shutil.rmtree(entry)
             _create_arrays(zarr.open_group(staging, mode="a", zarr_format=3), spec)
-            os.rename(staging, path)
+            if in_place:
+                for entry in sorted(staging.iterdir(), key=lambda entry: entry.name == "zarr.json"):
+                    if entry.name != LOCK_NAME:
+                        os.rename(entry, path / entry.name)
+            else:
+                os.rename(staging, path)
+        if in_place:
+            shutil.rmtree(staging)
     except OSError as exc:
         if staging.is_dir() and not staging.is_symlink():
             shutil.rmtree(staging, ignore_errors=True)
         hint = f"free space on the file system of {path.parent} and rerun the same command" \
             if exc.errno == errno.ENOSPC else f"check that {path.parent} is a folder you can write to"
         raise OSError(exc.errno, f"cannot create the store {path}: {exc.strerror or exc}; {hint}") from exc
+
+
+def interrupted_creation(path) -> bool:
+    """Whether the folder ``path`` holds only what a creation inside it left when killed: its staging folder
+    ``.creating`` and array folders moved out of it, no root zarr.json."""
+    path = pathlib.Path(path)
+    if (path / "zarr.json").exists() or not (path / CREATING).is_dir() or (path / CREATING).is_symlink():
+        return False
+    return all(entry.name in (CREATING, LOCK_NAME) or (entry.name in ARRAYS and entry.is_dir()
+                                                        and not entry.is_symlink()) for entry in path.iterdir())
 
 
 def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
@@ -252,8 +308,9 @@ def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
     return WriterLock(staging, store=path).exclusive()
 
 
-def _create_arrays(group: zarr.Group, spec: CacheSpec) -> None:
-    """The arrays and attributes of ``spec`` in the empty group ``group``; every chunk chain ends with CRC32C."""
+def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VERSION) -> None:
+    """The arrays and attributes of ``spec`` (a store of format ``version``) in the empty group ``group``; every
+    chunk chain ends with CRC32C."""
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
@@ -272,42 +329,65 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec) -> None:
         group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                            compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
                            dimension_names=("sample", "position"))
+    if version >= 3:                                     # every per-sample array above, whatever the spec adds
+        with warnings.catch_warnings():                  # zarr names the lock file of a staging folder
+            warnings.simplefilter("ignore", ZarrUserWarning)
+            arrays = dict(group.arrays())
+        bound = sorted(name for name, array in arrays.items() if array.metadata.dimension_names[:1] == ("sample",))
+        group.create_array(RECORDS, shape=(n, len(bound)), chunks=(p, len(bound)), shards=(p, len(bound)),
+                           dtype="uint32", compressors=[Crc32cCodec()], fill_value=0,
+                           dimension_names=("sample", "array"), attributes=dict(arrays=bound))
     group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=[Crc32cCodec()],
                        fill_value=0, dimension_names=("shard",))
-    group.attrs.update(spec.to_attrs() | dict(complete=False, progress=progress_attrs(0, spec)))
+    group.attrs.update(spec.to_attrs(version) | dict(complete=False, progress=progress_attrs(0, spec)))
 
 
-def _layout(document: dict) -> dict[str, Any]:
-    """What of an array's zarr.json decides which bytes hold which rows: shape, dtype, fill value, shard and chunk
-    shapes, and the codec names (codec settings, which a reader takes from the file itself, and fields a zarr
-    version adds are left out, so stores stay readable across zarr versions)."""
-    def names(codecs) -> list:
-        return [codec.get("name") if isinstance(codec, dict) else codec for codec in codecs]
-    sharding = next((codec.get("configuration", {}) for codec in document.get("codecs", [])
-                     if isinstance(codec, dict) and codec.get("name") == "sharding_indexed"), {})
-    return dict(shape=document.get("shape"), data_type=document.get("data_type"),
-                fill_value=document.get("fill_value"),
-                shard_shape=document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape"),
-                chunk_shape=sharding.get("chunk_shape"), codecs=names(document.get("codecs", [])),
-                chunk_codecs=names(sharding.get("codecs", [])), index_codecs=names(sharding.get("index_codecs", [])))
+def _normalised(document: dict) -> dict:
+    """An array's zarr.json as zarr itself writes it back (defaults filled in, one spelling per setting)."""
+    metadata = ArrayV3Metadata.from_dict(dict(document))
+    return json.loads(metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
 
 
-def _expected_layouts(spec: CacheSpec) -> dict[str, dict]:
-    """{array name: :func:`_layout`} of the store :func:`create_store` makes for ``spec``."""
+@functools.lru_cache(maxsize=16)
+def _expected_documents(spec: CacheSpec, version: int) -> dict[str, dict]:
+    """{array name: :func:`_normalised` zarr.json} of the store :func:`create_store` makes for ``spec``."""
     group = zarr.open_group(zarr.storage.MemoryStore(), mode="w", zarr_format=3)
-    _create_arrays(group, spec)
+    _create_arrays(group, spec, version)
     prototype = default_buffer_prototype()
-    return {name: _layout(json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes()))
+    return {name: json.loads(array.metadata.to_buffer_dict(prototype)["zarr.json"].to_bytes())
             for name, array in group.arrays()}
+
+
+def sample_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
+    """The arrays of the store with one chunk per sample (first dimension ``sample``), ``chunk_records``
+    included, sorted by name."""
+    return sorted(name for name, document in _expected_documents(spec, version).items()
+                  if (document.get("dimension_names") or [None])[0] == "sample")
+
+
+def bound_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
+    """The arrays whose chunks ``chunk_records`` binds, in its column order (none before version 3)."""
+    records = _expected_documents(spec, version).get(RECORDS)
+    return [] if records is None else list(records["attributes"]["arrays"])
+
+
+def _differences(found, expected, where: str = "") -> list[str]:
+    """Where two JSON values differ, as ``key.path: found on disk, expected implied`` texts (leaves only)."""
+    if isinstance(found, dict) and isinstance(expected, dict):
+        return [text for key in sorted(found.keys() | expected.keys())
+                for text in _differences(found.get(key), expected.get(key), f"{where}.{key}" if where else key)]
+    if isinstance(found, list) and isinstance(expected, list) and len(found) == len(expected):
+        return [text for i, (a, b) in enumerate(zip(found, expected)) for text in _differences(a, b, f"{where}[{i}]")]
+    return [] if found == expected else [f"{where} {found!r:.80} on disk, {expected!r:.80} implied"]
 
 
 def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     """(group, spec) of the store at ``path``, after checking its metadata; ValueError saying what is wrong.
 
-    Every zarr.json must parse, the attributes must describe a cache of this format version, and each array's
-    layout (shape, dtype, fill value, shards, chunks, codec chain: :func:`_layout`) must be what
-    :func:`create_store` writes for those attributes: an attribute edited against the arrays (k, seq_length,
-    num_samples, ...) is refused here instead of serving wrong rows.
+    Every zarr.json must parse, the attributes must describe a cache of a readable format version, their
+    ``identity`` (version 3) must be their SHA-256 (:func:`store_identity`), and each array's whole zarr.json
+    (normalised by zarr: :func:`_normalised`) must be what :func:`create_store` writes for those attributes: an
+    attribute or a codec setting edited against the arrays is refused here instead of serving wrong rows.
     """
     path = pathlib.Path(path)
     if not (path / "zarr.json").is_file():
@@ -317,31 +397,58 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
         try:
             documents[file.parent.name if file.parent != path else ""] = json.loads(file.read_bytes())
         except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{file} is damaged (not valid JSON: {exc}); rewrite the store (rerun the cache "
-                             "command that wrote it, plus --overwrite)") from exc
+            raise ValueError(f"{file} is damaged (not valid JSON: {exc}); the store's metadata cannot be repaired: "
+                             "rewrite the store (rerun the cache command that wrote it, plus --overwrite)") from exc
     root = documents.pop("")
+    if not isinstance(root, dict) or root.get("node_type") != "group" or root.get("zarr_format") != 3:
+        raise ValueError(f"{path / 'zarr.json'} is not the metadata of a zarr v3 group: {path} is not a teacher cache")
+    attrs = root.get("attributes") if isinstance(root.get("attributes"), dict) else {}
     try:
-        spec = CacheSpec.from_attrs(root.get("attributes", {}) if isinstance(root, dict) else {})
+        spec = CacheSpec.from_attrs(attrs)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    expected = _expected_layouts(spec)
-    documents = {name: _layout(document) if isinstance(document, dict) else {} for name, document in documents.items()}
+    version = attrs["version"]
+    if version >= 3 and attrs.get("identity") != store_identity(spec, version):
+        raise ValueError(f"{path / 'zarr.json'}: the attributes that decide how rows are read and trained on do not "
+                         f"match their checksum (identity {attrs.get('identity')!r} stored, "
+                         f"{store_identity(spec, version)!r} computed from format, version and "
+                         f"{', '.join(f.name for f in dataclasses.fields(CacheSpec))}): the attributes were edited "
+                         "or the file is damaged; rewrite the store (rerun the cache command that wrote it, plus "
+                         "--overwrite)")
+    expected = _expected_documents(spec, version)
     implied = (f"k={spec.k}, seq_length={spec.seq_length}, num_samples={spec.num_samples}, "
                f"samples_per_shard={spec.samples_per_shard}, mode={spec.mode!r}, logprob_codec={spec.logprob_codec!r}"
-               f", store_logsumexp={spec.store_logsumexp}")
+               f", store_logsumexp={spec.store_logsumexp}, version={version}")
     for name in sorted(expected.keys() | documents.keys()):
         if name not in documents or name not in expected:
             where = "is missing" if name not in documents else "should not exist"
             raise ValueError(f"{path}: the array {name} {where} for the store's attributes ({implied}): the store's "
                              "zarr.json was edited or the store is damaged")
-        fields = [key for key in sorted(expected[name].keys() | documents[name].keys())
-                  if expected[name].get(key) != documents[name].get(key)]
-        if fields:
-            listed = "; ".join(f"{key} {documents[name].get(key)!r} on disk, {expected[name].get(key)!r} implied"
-                               for key in fields)
-            raise ValueError(f"{path}: the attributes ({implied}) do not match the array {name} ({listed}): the "
-                             "store's zarr.json was edited or the store is damaged")
+        file = path / name / "zarr.json"
+        try:
+            found = _normalised(documents[name])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{file} is damaged (not the metadata of a zarr v3 array: {exc})") from exc
+        listed = _differences(found, expected[name])
+        if listed:
+            raise ValueError(f"{file}: the attributes ({implied}) do not match the array {name} ("
+                             f"{'; '.join(listed[:6])}): the store's zarr.json was edited or the store is damaged")
     return zarr.open_group(path, mode=mode), spec
+
+
+def missing_shard_files(path, group: zarr.Group, spec: CacheSpec) -> list[str]:
+    """The shard files of the shards marked done that do not exist (every array with one chunk per sample)."""
+    done = np.flatnonzero(group[SHARD_DONE][:])
+    missing = []
+    for name in sample_arrays(spec, group.attrs["version"]):
+        array = group[name]
+        for shard in done:
+            file = pathlib.Path(path, name, array.metadata.encode_chunk_key((int(shard),) + (0,) * (array.ndim - 1)))
+            if not file.is_file():
+                begin, end = spec.shard_range(int(shard))
+                missing.append(f"{file} (samples [{begin}, {end}))")
+    return missing
+
 
 
 _PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")
@@ -366,9 +473,10 @@ def _store_file(parts: tuple[str, ...]) -> bool:
 def foreign_entries(path) -> list[str]:
     """What in the folder ``path`` is not part of a store of this project (empty: all of it is), as short texts.
 
-    A store of this project holds only its zarr.json files, chunk files under ``ARRAY/c/``, zarr's temporaries,
-    its lock file, and a root zarr.json that names one of :data:`FORMAT_NAMES` (or does not parse: a damaged
-    store). Symbolic links are never part of one.
+    A store of this project is known by its own root zarr.json naming one of :data:`FORMAT_NAMES` (a folder that
+    merely looks like a store's layout is not one, nor one whose zarr.json does not parse), and holds only its
+    zarr.json files, chunk files under ``ARRAY/c/``, zarr's temporaries and its lock file. Symbolic links are
+    never part of one.
     """
     path = pathlib.Path(path)
     if path.is_symlink() or not path.is_dir():
@@ -389,12 +497,16 @@ def foreign_entries(path) -> list[str]:
                 foreign.append(f"it holds the file {entry}")
     try:
         document = json.loads((path / "zarr.json").read_bytes())
+    except FileNotFoundError:
+        foreign.append("it has no zarr.json naming this tool's format")
+    except (ValueError, OSError) as exc:
+        foreign.append(f"its zarr.json does not parse ({exc}); if it is a damaged store of this tool, remove it "
+                       "yourself")
+    else:
         attributes = document.get("attributes") if isinstance(document, dict) else None
         found = attributes.get("format") if isinstance(attributes, dict) else None
-    except (FileNotFoundError, ValueError):             # none, or damaged (truncated): judged by the files alone
-        found = FORMAT_NAME
-    if found not in FORMAT_NAMES.values():
-        foreign.append(f"its zarr.json names the format {found!r}, not one of {sorted(FORMAT_NAMES.values())}")
+        if found not in FORMAT_NAMES.values():
+            foreign.append(f"its zarr.json names the format {found!r}, not one of {sorted(FORMAT_NAMES.values())}")
     return foreign
 
 

@@ -6,9 +6,11 @@ N written samples (evenly spaced) the quantiles of the top-K mass m = Σ_k p_k a
 K+1 buckets (the K ids plus the tail as one bucket: H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the
 full-vocab entropy). For a sampled store (``mode``
 shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
-``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking chunk
-reader (every CRC32C, every shard file present) and names the first damage. A store whose metadata are damaged
-or do not match its attributes (``format.open_store``) is an error.
+``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking reader
+(``records.py``: every CRC32C, every chunk's record, every shard file present) and names every damaged shard
+with its first damage. Without it, a written shard whose file is missing, or damage in the samples the statistics
+read (checked the same way), is an error too; so is a store whose metadata are damaged or do not match its
+attributes (``format.open_store``). Every damage error names the command that repairs it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import warnings
 
 import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
+from megatron_kd_plugin.cache.chunk_reader import REPAIR
+from megatron_kd_plugin.cache.records import SampleReader
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
@@ -51,18 +55,17 @@ def stored_bytes(path: pathlib.Path) -> dict[str, int]:
     return {child.name: size(child) for child in sorted(path.iterdir()) if not fmt.is_partial(child)}
 
 
-def verify(path: pathlib.Path, group, spec: fmt.CacheSpec) -> int:
-    """Reads every sample of every shard marked done through the checking chunk reader; the samples read."""
-    readers = {name: open_chunk_reader(path / name, array) for name, array in group.arrays()
-               if name != fmt.SHARD_DONE}
+def verify(samples: SampleReader, group, spec: fmt.CacheSpec) -> int:
+    """Reads every sample of every shard marked done through ``samples``; the samples read. ValueError naming every
+    damaged shard (with its first damage) and the repair command."""
     done = np.flatnonzero(group[fmt.SHARD_DONE][:])
-    count = 0
-    for shard in done:
-        for sample in range(*spec.shard_range(int(shard))):
-            for name, reader in readers.items():
-                reader.read((sample,) + (0,) * (group[name].ndim - 1))
-            count += 1
-    return count
+    damaged = samples.verify(done)
+    if damaged:
+        listed = "\n".join(f"  shard {shard} (samples [{spec.shard_range(shard)[0]}, {spec.shard_range(shard)[1]})): "
+                            f"{message}" for shard, message in sorted(damaged.items()))
+        raise ValueError(f"{len(damaged)} of {len(done)} written shards of {samples.path} are damaged:\n{listed}\n"
+                         f"{REPAIR}")
+    return sum(end - begin for begin, end in map(spec.shard_range, map(int, done)))
 
 
 def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[str, np.ndarray]]:
@@ -70,9 +73,17 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
     every written chunk first (see :func:`verify`)."""
     path = pathlib.Path(path)
     group, spec = fmt.open_store(path)
+    missing_files = [] if check else fmt.missing_shard_files(path, group, spec)   # --verify names them all
+    if missing_files:
+        raise ValueError(f"{path} is damaged: {len(missing_files)} files of written shards are missing "
+                         f"({'; '.join(missing_files[:3])}{'; ...' if len(missing_files) > 3 else ''}); {REPAIR}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checked = SampleReader(path, group, spec)
     slots = f"top-K, K={spec.k}" if spec.mode == "topk" else \
         f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
+    lines += [f"warning: {warning.message}" for warning in caught]
     missing = fmt.missing_samples(group, spec)
     if group.attrs.get("complete") is True:
         lines.append(f"complete: yes ({spec.num_samples} samples)")
@@ -88,7 +99,8 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
     if partials:
         lines.append(f"  {len(partials)} temporary files a killed run left (not counted; the next run deletes them)")
     if check:
-        lines.append(f"verified: every checksum of the {verify(path, group, spec)} written samples matches")
+        lines.append(f"verified: every checksum and record of the {verify(checked, group, spec)} written samples "
+                     "matches")
     written = np.flatnonzero(group[fmt.SHARD_DONE][:])
     picked = np.concatenate([np.arange(*spec.shard_range(int(s))) for s in written]) if len(written) else \
         np.zeros(0, dtype=np.int64)
@@ -96,9 +108,10 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
         if len(picked) else picked
     stats: dict[str, np.ndarray] = {}
     if len(picked):
-        logprobs = np.stack([group[fmt.LOGPROBS][int(i)] for i in picked])
+        rows = [checked.read(int(i)) for i in picked]
+        logprobs = np.stack([row[fmt.LOGPROBS] for row in rows])
         if spec.mode == "sampled":
-            distinct, mass = sampled_statistics(np.stack([group[fmt.IDS][int(i)] for i in picked]), logprobs)
+            distinct, mass = sampled_statistics(np.stack([row[fmt.IDS] for row in rows]), logprobs)
             stats = {"distinct ids": distinct.ravel(), "mass of the drawn ids": mass.ravel()}
         else:
             mass, entropy = topk_statistics(logprobs)

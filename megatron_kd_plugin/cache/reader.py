@@ -8,8 +8,9 @@ w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by `
 cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store and one
 whose metadata do not match its attributes (``format.open_store``); ``validate`` checks the store against what
 the student expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
-and of the chunk (``chunk_reader.py``): damage raises ``chunk_reader.DamagedStoreError`` (a ValueError) naming
-the file, never returns wrong rows.
+and of the chunk (``chunk_reader.py``), the chunk's record binding it to its array, sample and store, and that
+its ids lie in the vocabulary (``records.py``): damage, or a store replaced since the reader opened it, raises
+``chunk_reader.DamagedStoreError`` (a ValueError) naming the file and the samples, never returns wrong rows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import open_chunk_reader
+from megatron_kd_plugin.cache.records import SampleReader
 from megatron_kd_plugin.cache.sample import sample_weights
 
 
@@ -38,11 +39,7 @@ class TopKCacheReader:
         self.group = group
         names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * self.spec.store_logsumexp + \
             [fmt.PROPOSAL_LOGNORM] * self.spec.stores_proposal_lognorm
-        self._arrays = {name: group[name] for name in names}
-        self._chunk_readers = {name: open_chunk_reader(self.path / name, array)
-                               for name, array in self._arrays.items()}
-        if None in self._chunk_readers.values():       # open_store checked the layout: not a local folder
-            raise ValueError(f"{self.path}: the store is not a folder on a local file system")
+        self._samples = SampleReader(self.path, group, self.spec, names)
 
     def __len__(self) -> int:
         return self.spec.num_samples
@@ -73,8 +70,7 @@ class TopKCacheReader:
 
     def sample_arrays(self, sample: int) -> dict[str, np.ndarray]:
         """The stored arrays of ``sample`` as numpy, in their on-disk dtypes (one chunk each)."""
-        return {name: self._chunk_readers[name].read((sample,) + (0,) * (array.ndim - 1))[0]
-                for name, array in self._arrays.items()}
+        return self._samples.read(sample)
 
     def _read(self, sample: int, begin: int, end: int) -> dict[str, torch.Tensor]:
         """Rows [begin, end) of ``sample`` (tokens: begin..end inclusive) as torch tensors."""

@@ -34,7 +34,7 @@ class TokenWindows:
     """``len(self)`` windows of ``seq_length + 1`` tokens over one token stream (see the module docstring)."""
 
     def __init__(self, stream: np.ndarray, seq_length: int, *, num_samples: int | None, fingerprint: str,
-                 tokenizer: str, tokenizer_vocab_size: int | None):
+                 tokenizer: str, tokenizer_vocab_size: int | None, name: str = "the token data"):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         available = max(0, (len(stream) - 1) // seq_length)
@@ -44,7 +44,7 @@ class TokenWindows:
             raise ValueError(f"num_samples={num_samples}: the data hold {len(stream)} tokens, i.e. {available} "
                              f"windows of seq_length={seq_length} (+1)")
         self.stream, self.seq_length, self.num_samples = stream, seq_length, num_samples
-        self.tokenizer, self.tokenizer_vocab_size = tokenizer, tokenizer_vocab_size
+        self.tokenizer, self.tokenizer_vocab_size, self.name = tokenizer, tokenizer_vocab_size, name
         self.fingerprint = hashlib.sha256(f"{fingerprint}|S={seq_length}|N={num_samples}".encode()).hexdigest()
 
     def __len__(self) -> int:
@@ -56,8 +56,10 @@ class TokenWindows:
         starts = np.arange(begin, end, dtype=np.int64)[:, None] * s + np.arange(s + 1, dtype=np.int64)[None, :]
         return self.stream[starts].astype(np.int64)
 
-    def max_token(self) -> int:
-        return int(self.stream[: self.num_samples * self.seq_length + 1].max())
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id of the windows."""
+        used = self.stream[: self.num_samples * self.seq_length + 1]
+        return int(used.min()), int(used.max())
 
 
 def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | None = None,
@@ -70,6 +72,9 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
         if not path.is_file():
             raise ValueError(f"indexed dataset file {path} does not exist (--data takes the PREFIX of "
                              "PREFIX.bin/PREFIX.idx)")
+    check_index_file(paths[0])
+    if paths[1].stat().st_size == 0:
+        raise ValueError(f"{paths[1]} is empty: the indexed dataset holds no tokens")
     index = IndexedDataset(prefix, multimodal=False, mmap=True).index
     ends = index.sequence_pointers + index.sequence_lengths.astype(np.int64) * index.dtype_size
     if len(ends) and (index.sequence_pointers[0] != 0 or np.any(index.sequence_pointers[1:] != ends[:-1])):
@@ -85,7 +90,31 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
     # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
     stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
     return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=file_digest(paths),
-                        tokenizer=tokenizer, tokenizer_vocab_size=None)
+                        tokenizer=tokenizer, tokenizer_vocab_size=None, name=str(paths[1]))
+
+
+def check_index_file(path: pathlib.Path) -> None:
+    """ValueError naming ``path`` unless it is a whole Megatron ``.idx`` file (header, version 1, a known dtype
+    code, and exactly the bytes its counts describe), checked before megatron-core's reader asserts on it."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    data = path.read_bytes()[:34]
+    size = path.stat().st_size
+    problem = None
+    if len(data) < 34 or data[:9] != _INDEX_HEADER:
+        problem = f"{size} bytes without the indexed-dataset header" if data[:9] != _INDEX_HEADER else \
+            f"{size} bytes, shorter than the 34-byte header (truncated)"
+    else:
+        version, code = int.from_bytes(data[9:17], "little"), data[17]
+        sequences, documents = int.from_bytes(data[18:26], "little"), int.from_bytes(data[26:34], "little")
+        expected = 34 + sequences * (4 + 8) + documents * 8
+        if version != 1 or code not in {member.value for member in DType}:
+            problem = f"index version {version}, dtype code {code} (expected version 1 and a megatron dtype code)"
+        elif size != expected:
+            problem = (f"{size} bytes, but its header describes {sequences} sequences and {documents} document "
+                       f"boundaries ({expected} bytes): truncated or damaged")
+    if problem:
+        raise ValueError(f"{path} is not a Megatron indexed-dataset index: {problem}")
 
 
 def load_tokenizer(name: str):
@@ -94,7 +123,10 @@ def load_tokenizer(name: str):
     if path.is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(path))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:                         # tokenizers raises a bare Exception on a bad file
+            raise ValueError(f"tokenizer {path} is not a valid tokenizer.json ({exc})") from exc
         eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
                     if tok.token_to_id(t) is not None), None)
         identity = f"{path.name}:sha256={file_digest([path])[:16]}"
@@ -114,8 +146,17 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
 
     encode, eos, vocab_size, identity = load_tokenizer(tokenizer)
     ids: list[int] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(tqdm(f, desc="tokenizing", unit=" docs"), start=1):
+    with open(path, "rb") as f:
+        if f.read(4).startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise ValueError(f"{path} is UTF-16 encoded (a byte-order mark): JSONL must be UTF-8; convert it "
+                             f"(iconv -f UTF-16 -t UTF-8 {path})")
+        f.seek(0)
+        for number, raw in enumerate(tqdm(f, desc="tokenizing", unit=" docs"), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1}"
+                                 "); JSONL must be UTF-8") from exc
             if not line.strip():
                 continue
             try:
@@ -130,7 +171,7 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
                 ids.append(eos)
     return TokenWindows(np.asarray(ids, dtype=np.int64), seq_length, num_samples=num_samples,
                         fingerprint=file_digest([path], extra=identity), tokenizer=identity,
-                        tokenizer_vocab_size=vocab_size)
+                        tokenizer_vocab_size=vocab_size, name=str(path))
 
 
 def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num_samples: int | None = None,

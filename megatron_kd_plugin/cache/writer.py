@@ -11,6 +11,10 @@ marked done and first deletes the temporaries a kill left between zarr's write a
 settings at the path is replaced only with ``overwrite``; a path holding anything that is not a store of this
 project (a user's folder or file) is never written into nor deleted.
 
+Repair (``repair``): the same settings as the run that wrote the store; every written shard is read and checked
+(``records.py``) and the damaged ones are deleted and unmarked, so the shard loop rewrites exactly those, byte
+for byte what a clean run writes.
+
 One run at a time: every process holds the store's writers' lock (``lock.py``) for the whole run, so a second run
 on the same store is refused while any process of the first lives.
 """
@@ -18,8 +22,10 @@ on the same store is refused while any process of the first lives.
 from __future__ import annotations
 
 import errno
+import os
 import pathlib
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,13 +36,18 @@ import torch.distributed as dist
 import zarr
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.chunk_reader import REPAIR
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
+from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
+PAUSE_AFTER_SHARDS = "KD_CACHE_TEST_PAUSE_AFTER_SHARDS"
+"""Test hook (environment variable): a rank stops itself with SIGSTOP once it has written this many shards in
+this run (0: right after the store is prepared), so that a test kills it at a known shard boundary."""
 
 
 @dataclass(kw_only=True)
@@ -95,16 +106,21 @@ def _agreed(fn, *args, everywhere: bool = False):
     return result
 
 
-def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
-    """Creates the store, or keeps an existing one with exactly ``spec`` (resume, leftover temporaries deleted);
-    returns its writers' lock, held exclusively by this process.
+def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool = False) -> WriterLock:
+    """Creates the store, or keeps an existing one with exactly ``spec`` (resume, leftover temporaries deleted;
+    ``repair``: its damaged shards deleted and unmarked, :func:`repair_store`); returns its writers' lock, held
+    exclusively by this process.
 
-    A store of this project with other settings (or damaged) is replaced only with ``overwrite``; a path that is
-    not a store of this project (a folder with other files, a regular file, a link) is refused, ``overwrite`` or
-    not, naming what it holds; an empty folder is used. A live writer of the store is refused (ValueError).
+    A store of this project with other settings, of an older format version, or with unreadable metadata is
+    replaced only with ``overwrite`` (its contents deleted, the folder kept); a path that is not a store of this
+    project (a folder with other files or without this tool's zarr.json, a regular file, a link) is refused,
+    ``overwrite`` or not, naming what it holds; an empty folder is written into (kept: a mount point works). A
+    resume refuses a store whose written shards lack files, naming ``--repair``. A live writer of the store is
+    refused (ValueError).
     """
-    if output.is_dir() and not output.is_symlink() and not any(output.iterdir()):
-        output.rmdir()
+    if output.is_dir() and not output.is_symlink() and (not any(output.iterdir()) or fmt.interrupted_creation(output)):
+        fmt.create_store(output, spec)
+        return WriterLock(output).exclusive()
     if output.exists() or output.is_symlink():
         foreign = fmt.foreign_entries(output)
         if foreign:
@@ -115,24 +131,64 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) ->
         lock = WriterLock(output).exclusive()
         try:
             try:
-                differences = spec.differences(fmt.open_store(output)[1])
+                group, on_disk = fmt.open_store(output, mode="r+")
+                differences = spec.differences(on_disk)
+                if group.attrs["version"] != fmt.FORMAT_VERSION:
+                    differences["version"] = (fmt.FORMAT_VERSION, group.attrs["version"])
             except ValueError as exc:
                 differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
             if not differences:
                 fmt.remove_partials(output)
+                if repair:
+                    repair_store(output, group, spec)
+                else:
+                    missing = fmt.missing_shard_files(output, group, spec)
+                    if missing:
+                        raise ValueError(f"{output} is damaged: {len(missing)} files of written shards are missing "
+                                         f"({'; '.join(missing[:3])}); {REPAIR}")
                 return lock
+            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
             if not overwrite:
-                listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}"
-                                   for key, (new, old) in differences.items())
-                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
-                                 "--overwrite to replace it, or choose another --output")
-            shutil.rmtree(output)
+                what = "--repair rewrites the damaged shards of a store written with the same settings only" \
+                    if repair else "pass --overwrite to replace it, or choose another --output"
+                raise ValueError(f"{output} already holds a store written with other settings ({listed}); {what}")
+            for entry in output.iterdir():               # the folder and the (held) lock file stay
+                if entry.name != LOCK_NAME:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            fmt.create_store(output, spec)
         except BaseException:
             lock.release()
             raise
-        lock.release()                                   # the lock of the deleted store
+        return lock
     fmt.create_store(output, spec)
     return WriterLock(output).exclusive()
+
+
+def repair_store(output: pathlib.Path, group: zarr.Group, spec: fmt.CacheSpec) -> list[int]:
+    """Reads every shard marked done; deletes the files of each damaged one (every per-sample array) and unmarks
+    it, so that the shard loop rewrites it. Returns the damaged shards (reported on stdout)."""
+    done, damaged = [], {}
+    for shard in range(spec.num_shards):
+        try:
+            marked = bool(group[fmt.SHARD_DONE][shard])
+        except ValueError as exc:                        # a damaged marker: the shard is redone
+            damaged[shard], marked = f"its {fmt.SHARD_DONE} marker is damaged ({exc})", False
+        if marked:
+            done.append(shard)
+    damaged |= SampleReader(output, group, spec).verify(done)
+    for shard, message in sorted(damaged.items()):
+        begin, end = spec.shard_range(shard)
+        print(f"[cache] --repair: shard {shard} (samples [{begin}, {end})) is damaged: {message}", flush=True)
+        for name in fmt.sample_arrays(spec):
+            array = group[name]
+            file = output / name / array.metadata.encode_chunk_key((shard,) + (0,) * (array.ndim - 1))
+            file.unlink(missing_ok=True)
+        group[fmt.SHARD_DONE][shard] = 0
+    if damaged:
+        group.attrs.update(complete=False)
+    print(f"[cache] --repair: {len(damaged)} of {len(done)} written shards damaged"
+          f"{', rewriting them' if damaged else ''}", flush=True)
+    return sorted(damaged)
 
 
 def check_vocab(source: TokenWindows, vocab_size: int) -> None:
@@ -140,10 +196,10 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
     if source.tokenizer_vocab_size is not None and source.tokenizer_vocab_size > vocab_size:
         raise ValueError(f"tokenizer {source.tokenizer!r} has {source.tokenizer_vocab_size} ids but the teacher's "
                          f"vocabulary has {vocab_size}: data and teacher do not match")
-    top = source.max_token()
-    if top >= vocab_size:
-        raise ValueError(f"the data contain token id {top} >= the teacher's vocab_size {vocab_size}: data "
-                         "tokenized for another vocabulary?")
+    low, top = source.token_range()
+    if low < 0 or top >= vocab_size:
+        raise ValueError(f"{source.name}: the data contain the token id {low if low < 0 else top}, outside the "
+                         f"teacher's vocabulary [0, {vocab_size}): data tokenized for another vocabulary?")
 
 
 def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int,
@@ -195,10 +251,12 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
 
 
 def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
-    """The shard's data first, its done marker last."""
+    """The shard's data first, then its records (bound to the chunks just written), its done marker last."""
     begin, end = spec.shard_range(shard)
     for name, values in arrays.items():
         group[name][begin:end] = values
+    if fmt.RECORDS in group:
+        group[fmt.RECORDS][begin:end] = shard_records(group.store.root, group, spec, shard)
     group[fmt.SHARD_DONE][shard] = 1
 
 
@@ -231,9 +289,9 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
     group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
 
 
-def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
+def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool) -> WriterLock:
     """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in)."""
-    return prepare_store(output, spec, overwrite).shared()
+    return prepare_store(output, spec, overwrite, repair).shared()
 
 
 def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
@@ -258,6 +316,7 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
     bar = tqdm(total=sum(end - begin for begin, end in map(spec.shard_range, todo)) * spec.seq_length,
                unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
     loop_start = time.perf_counter()
+    _pause_for_tests(stats.shards_written)
     for shard in todo:
         begin, end = spec.shard_range(shard)
         arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
@@ -269,9 +328,16 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
         if _world()[0] == 0:
             shards_done = int(group[fmt.SHARD_DONE][:].sum())
             group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
+        _pause_for_tests(stats.shards_written)
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
     return stats
+
+
+def _pause_for_tests(shards_written: int) -> None:
+    """SIGSTOP of this process when :data:`PAUSE_AFTER_SHARDS` asks for it at ``shards_written``."""
+    if os.environ.get(PAUSE_AFTER_SHARDS) == str(shards_written):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def refuse_while_written(output) -> None:
@@ -285,7 +351,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                overwrite: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                overwrite: bool = False, repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
@@ -293,7 +359,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
-    nothing. ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
+    nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring). ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
     dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
     :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at ``output`` (without
     ``overwrite``), on anything at ``output`` that is not a store of this project, and while another run writes
@@ -308,7 +374,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
                          proposal_temperature=proposal_temperature, sample_seed=sample_seed)
     check_vocab(source, vocab_size)
-    lock = _agreed(_prepare_shared, output, spec, overwrite)
+    lock = _agreed(_prepare_shared, output, spec, overwrite, repair)
     lock = _agreed(_join_shared, output, lock, everywhere=True)
     try:
         stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,

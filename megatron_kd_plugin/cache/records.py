@@ -1,0 +1,173 @@
+"""Checked reads of whole samples of a store (format: ``format.py``): each chunk through ``chunk_reader.py`` (its
+CRC32C and its shard index's), bound to its place by ``chunk_records``, its token and teacher ids inside the
+vocabulary; and a store replaced under an open reader is noticed and named.
+
+The record of sample i's chunk of array a (format version 3)::
+
+    chunk_records[i, column of a] = CRC32C(identity ‖ a ‖ 0x00 ‖ i (8 bytes LE) ‖ the chunk's stored CRC32C (4 B LE))
+
+with ``identity`` the store's attribute (the SHA-256 of its format, version and settings, ASCII hex) and the
+columns the per-sample arrays sorted by name (``format.bound_arrays``); one chunk holds the records of one shard.
+A chunk moved within or between shard files, a shard file swapped with another or copied from a store of other
+settings, a ``chunk_records`` file moved, or attributes edited with their identity recomputed, each fails this
+comparison (a miss has probability 2^-32 per chunk): the chunk's own CRC32C stays valid, but it was written for
+another place. (A shard copied from a store of the same settings holds the same bytes and passes: it is the same
+data.) Reading a sample costs
+one CRC32C over ~90 bytes per array, and once per shard the small uncompressed ``chunk_records`` chunk (cached
+like the shard indexes).
+
+A read that fails is retried once with the cached shard indexes dropped (the files may have been rewritten);
+if it fails again and the store's attributes on disk (its identity) are no longer those this reader opened, the
+error says the store was replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import warnings
+
+import google_crc32c
+import numpy as np
+import zarr
+
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.chunk_reader import REPAIR, DamagedStoreError, open_chunk_reader
+
+
+def chunk_record(identity: str, name: str, sample: int, checksum: int) -> int:
+    """The record that binds the chunk with stored CRC32C ``checksum`` to sample ``sample`` of array ``name`` of
+    the store ``identity`` (see the module docstring)."""
+    return google_crc32c.value(identity.encode() + name.encode() + b"\0" + int(sample).to_bytes(8, "little")
+                               + int(checksum).to_bytes(4, "little"))
+
+
+def shard_records(path, group: zarr.Group, spec: fmt.CacheSpec, shard: int) -> np.ndarray:
+    """``chunk_records`` rows ``[end - begin, A]`` of shard ``shard``, from the stored CRC32Cs of the chunks just
+    written (read back from the shard files)."""
+    identity, names = group.attrs["identity"], fmt.bound_arrays(spec)
+    begin, end = spec.shard_range(shard)
+    records = np.zeros((end - begin, len(names)), dtype=np.uint32)
+    for column, name in enumerate(names):
+        array = group[name]
+        checksums = open_chunk_reader(pathlib.Path(path, name), array).stored_checksums(
+            (begin,) + (0,) * (array.ndim - 1)).reshape(-1)
+        for row, sample in enumerate(range(begin, end)):
+            records[row, column] = chunk_record(identity, name, sample, checksums[row])
+    return records
+
+
+class SampleReader:
+    """``reader.read(i)`` -> {array name: sample i's chunk as numpy, on-disk dtype} for ``names`` (default: every
+    per-sample array of the store), checked; :class:`DamagedStoreError` (a ValueError) naming the file, the samples
+    and what to do."""
+
+    def __init__(self, path, group: zarr.Group, spec: fmt.CacheSpec, names: list[str] | None = None):
+        self.path, self.spec = pathlib.Path(path), spec
+        self.version, self.identity = group.attrs["version"], group.attrs.get("identity")
+        self.opened_attrs = self._described(dict(group.attrs))
+        self.bound = fmt.bound_arrays(spec, self.version)
+        if names is None:
+            names = [name for name in fmt.sample_arrays(spec, self.version) if name != fmt.RECORDS]
+        self.names = list(names)
+        self.readers = {name: open_chunk_reader(self.path / name, group[name])
+                        for name in self.names + [fmt.RECORDS] * bool(self.bound)}
+        self._records: dict[int, np.ndarray] = {}
+        if None in self.readers.values():              # open_store checked the layout: not a local folder
+            raise ValueError(f"{self.path}: the store is not a folder on a local file system")
+        if not self.bound:
+            warnings.warn(f"{self.path} is a cache of format version {self.version}: its chunks are not bound to "
+                          "their places and its attributes carry no checksum, so a moved, swapped or copied shard "
+                          "file or an edited attribute would read back as data; rewrite it in version "
+                          f"{fmt.FORMAT_VERSION} (rerun the cache command that wrote it, plus --overwrite)",
+                          stacklevel=3)
+
+    @staticmethod
+    def _described(attrs: dict) -> dict:
+        return {key: value for key, value in attrs.items() if key not in ("complete", "progress")}
+
+    def read(self, sample: int) -> dict[str, np.ndarray]:
+        try:
+            return self._read(sample)
+        except DamagedStoreError:
+            for reader in self.readers.values():
+                reader.clear()
+            self._records.clear()
+        try:
+            return self._read(sample)
+        except DamagedStoreError as exc:
+            self._refuse_if_replaced(exc)
+            raise
+
+    def _read(self, sample: int) -> dict[str, np.ndarray]:
+        out, checksums = {}, {}
+        for name in self.names:
+            reader = self.readers[name]
+            values, checksums[name] = reader.read((sample,) + (0,) * (len(reader.chunk_shape) - 1))
+            out[name] = values[0]
+        if self.bound:
+            records = self._shard_records(sample)[sample % self.spec.samples_per_shard]
+            for column, name in enumerate(self.bound):
+                if name in checksums and records[column] != chunk_record(self.identity, name, sample,
+                                                                         checksums[name]):
+                    raise DamagedStoreError(self._misplaced(name, sample))
+        self._check_ids(out, sample)
+        return out
+
+    def _shard_records(self, sample: int) -> np.ndarray:
+        """The ``chunk_records`` rows ``[P, A]`` of the shard holding ``sample`` (one chunk, cached)."""
+        shard = sample // self.spec.samples_per_shard
+        records = self._records.get(shard)
+        if records is None:
+            records = self.readers[fmt.RECORDS].read((shard, 0))[0]
+            if len(self._records) > 4096:
+                self._records.clear()
+            self._records[shard] = records
+        return records
+
+    def _where(self, name: str, sample: int) -> str:
+        reader = self.readers[name]
+        coords = (sample // reader.chunk_shape[0],) + (0,) * (len(reader.chunk_shape) - 1)
+        return reader.where(reader.shard_path(coords), tuple(c // p for c, p in zip(coords, reader.per_shard)))
+
+    def _misplaced(self, name: str, sample: int) -> str:
+        return (f"{self._where(name, sample)}: the chunk of sample {sample} was not written there for this store "
+                f"(its record in {self._where(fmt.RECORDS, sample)} does not match: the shard file, or that of "
+                f"{fmt.RECORDS}, was moved, swapped or copied from another store; {REPAIR})")
+
+    def _check_ids(self, out: dict[str, np.ndarray], sample: int) -> None:
+        """Token and teacher ids inside the vocabulary; the ids of a row are sorted ascending, so its first and last
+        bound it (a few comparisons per row)."""
+        vocab = self.spec.vocab_size
+        for name, values in ((fmt.TOKENS, out.get(fmt.TOKENS)), (fmt.IDS, out.get(fmt.IDS))):
+            if values is None:
+                continue
+            low, high = (values.min(), values.max()) if values.ndim == 1 else \
+                (values[..., 0].min(), values[..., -1].max())
+            if low < 0 or high >= vocab:
+                raise DamagedStoreError(f"{self._where(name, sample)}: sample {sample} holds the id "
+                                        f"{low if low < 0 else high}, outside the teacher vocabulary [0, {vocab}) "
+                                        f"of the store's attributes; {REPAIR}")
+
+    def _refuse_if_replaced(self, exc: DamagedStoreError) -> None:
+        try:
+            now = self._described(json.loads((self.path / "zarr.json").read_bytes()).get("attributes", {}))
+        except (OSError, ValueError, AttributeError):
+            now = None
+        if now != self.opened_attrs:
+            then, later = self.identity or "(version 2: none)", (now or {}).get("identity", "none")
+            raise DamagedStoreError(
+                f"{self.path} was replaced (or removed) since this reader opened it (store identity {then!r:.20} "
+                f"then, {later!r:.20} now): open a new reader on it ({exc})") from exc
+
+    def verify(self, shards) -> dict[int, str]:
+        """{shard: the first damage found in it} over ``shards``, every sample of each read and checked."""
+        damaged = {}
+        for shard in shards:
+            for sample in range(*self.spec.shard_range(int(shard))):
+                try:
+                    self._read(sample)
+                except DamagedStoreError as exc:
+                    damaged[int(shard)] = str(exc)
+                    break
+        return damaged
