@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .main_grad import MainGrad, main_grad_of
-from .plan import KDBatch, LossPlan, finish_grad, loss_totals
+from .plan import KDBatch, LossPlan, finish_grad, input_grads, loss_totals
 from .vocab_loop import backward_pass, forward_pass
 
 
@@ -135,7 +135,7 @@ class _FusedTopKKL(torch.autograd.Function):
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
         dtype = _gemm_dtype(plan, hidden, weight)
         block_rows = _block_rows(plan, weight)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = input_grads(ctx, plan)
         ctx.plan, ctx.batch, ctx.saved_coefs = plan, batch, None
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
@@ -148,7 +148,8 @@ class _FusedTopKKL(torch.autograd.Function):
             ctx.grads = (d_hidden, d_weight)
         else:
             totals, ctx.saved_coefs = forward_pass(plan, batch, logits_chunk, None, keep_coefs=need_dx or need_dw)
-            ctx.save_for_backward(hidden, weight)
+            if need_dx or need_dw:
+                ctx.save_for_backward(hidden, weight)
             ctx.grads = None
         return loss_totals(ctx, plan, totals)
 
