@@ -37,7 +37,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 wheels=${KD_GPU_WHEELS:-$repo/tools/wheels}   # the tests point it elsewhere
 wheel_list=$repo/tools/gpu_wheels.txt
-from_machine=(torch triton numpy)   # never in the wheel set: the GPU machine's own CUDA build
+from_machine=(torch triton numpy)   # never in the wheel set (nor what they need): the GPU machine's CUDA build
 max_wheel_mib=60
 total_s=440                        # preflight (~30 s) + the stages' budgets add up to this (see the table above)
 declare -A budget_s=([kernels]=80 [student]=80 [step]=130 [loss]=80)   # loss: at least this
