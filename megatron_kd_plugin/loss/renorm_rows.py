@@ -55,7 +55,8 @@ class _RenormRowsKL(torch.autograd.Function):
                     d_hidden[rows] = torch.bmm(d.unsqueeze(1), _support_rows(weight, ids, dtype)).squeeze(1)
                 if need_dw:
                     x = hidden[rows].to(dtype)                                         # [c, H]
-                    d_weight.index_add_(0, ids.reshape(-1).long(), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1))
+                    d_weight.index_put_((ids.reshape(-1).long(),), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1),
+                                        accumulate=True)   # deterministic on CUDA (sorted), unlike index_add_
         totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
         ctx.main_grad = main_grad_of(weight, dtype, plan.accumulate_main_grad) if d_weight is not None else None
