@@ -27,7 +27,7 @@ def _token_chunks(plan: LossPlan, weight: torch.Tensor, num_tokens: int, k: int)
 
 def _support_rows(weight: torch.Tensor, local_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W[I] for a chunk: local_ids [c, K] -> [c, K, H] in ``dtype`` (only these rows are cast)."""
-    return weight[local_ids.long()].to(dtype)
+    return weight.index_select(0, local_ids.reshape(-1).long()).view(*local_ids.shape, -1).to(dtype)
 
 
 class _RenormRowsKL(torch.autograd.Function):
