@@ -113,6 +113,8 @@ def test_bad_stores_and_mismatched_sizes_are_refused_before_step_one(store, tmp_
         check_kd_config(kd_config(store, "model.seq_length=8"))
     with pytest.raises(ValueError, match="bogus"):
         check_kd_config(kd_config(store, "kd.divergence=bogus"))
+    with pytest.raises(ValueError, match="model.mtp_num_layers=1: the KD step does not train multi-token"):
+        check_kd_config(kd_config(store, "model.mtp_num_layers=1"))
     unfinished = tmp_path / "unfinished.zarr"
     calls = []
 
@@ -127,3 +129,18 @@ def test_bad_stores_and_mismatched_sizes_are_refused_before_step_one(store, tmp_
                     samples_per_shard=4, progress=False)
     with pytest.raises(ValueError, match="unfinished|not finished|incomplete"):
         check_kd_config(kd_config(unfinished))
+
+
+def test_kd_forward_step_refuses_mtp_students():
+    """A student with MTP heads is refused before any batch is read or logits are built (GPTModel's MTP path
+    would build [s, b, V] logits from the labels the step passes)."""
+    import types
+
+    from megatron_kd_plugin.bridge.config import KDConfig
+    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(mtp_num_layers=2, sequence_parallel=False)
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDConfig()))
+    with pytest.raises(ValueError, match="model.mtp_num_layers=2"):
+        kd_forward_step(state, iter(()), model)

@@ -225,13 +225,15 @@ def _table(results: dict, args, seqs: list[int]) -> str:
 
 def _planner_check(results: dict, args, seqs: list[int]) -> str:
     """Markdown: the planner's estimate / the measured peak per variant and T ('' where Megatron-Bridge is absent)."""
-    try:
+    try:   # the planner's module needs Megatron-Bridge (through the recipes); the GPU machine has none
         from megatron_kd_plugin.bridge.memory_plan import bench_step_predictions
+
+        predicted = {s: bench_step_predictions(hidden=args.hidden, vocab=args.vocab, heads=args.heads,
+                                               groups=args.groups, ffn=args.ffn, layers=args.layers, seq_length=s,
+                                               micro_batch=args.micro_batch, k=args.k, chunk_bytes=args.chunk_bytes)
+                     for s in seqs}
     except ImportError:
         return ""
-    predicted = {s: bench_step_predictions(hidden=args.hidden, vocab=args.vocab, heads=args.heads, groups=args.groups,
-                                           ffn=args.ffn, layers=args.layers, seq_length=s, micro_batch=args.micro_batch,
-                                           k=args.k, chunk_bytes=args.chunk_bytes) for s in seqs}
     lines = ["", "", "Planner (`python -m megatron_kd_plugin plan`'s formulas at this shape, fp32, no optimizer) / "
              "measured:", "", "| variant | " + " | ".join(f"T={s * args.micro_batch:,}" for s in seqs) + " |",
              "|---|" + "---:|" * len(seqs)]
@@ -284,6 +286,7 @@ def main(argv=None) -> None:
                 results[variant, seq] = dict(peak=float("nan"), seconds=float("nan"), error="over budget")
                 continue
             results[variant, seq] = result = _spawn(variant, seq, args)
+            print(json.dumps(dict(result, variant=variant, seq=seq)), flush=True)   # as it comes (a cut run)
             if result.get("error"):
                 failed.add(variant)
     params = next((r["params"] for r in results.values() if r.get("params")), 0)

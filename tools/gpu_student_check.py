@@ -30,7 +30,12 @@ SIZES = {  # name: (teacher layers, teacher hidden, student layers, student hidd
 }
 
 
-def model_config(layers: int, hidden: int, *, bf16: bool):
+TEACHER_INIT_STD = 0.25
+"""A peaked teacher (student: megatron's 0.02): a distribution worth distilling."""
+
+
+def model_config(layers: int, hidden: int, *, bf16: bool, init_method_std: float = 0.02):
+    """megatron-core derives ``init_method`` from ``init_method_std`` in ``__post_init__``: it must be passed here."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -39,7 +44,7 @@ def model_config(layers: int, hidden: int, *, bf16: bool):
         params_dtype=dtype, pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available(), gradient_accumulation_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.02)
+        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=init_method_std)
 
 
 def gpt(config, vocab: int, seq: int):
@@ -57,9 +62,12 @@ def write_teacher_cache(store: str, sizes, device) -> None:
     from megatron_kd_plugin.cache.writer import write_cache
 
     layers, hidden, _, _, vocab, seq, samples, k, _ = sizes
-    config = model_config(layers, hidden, bf16=False)
-    config.init_method_std = 0.25   # a peaked teacher: a distribution worth distilling
+    config = model_config(layers, hidden, bf16=False, init_method_std=TEACHER_INIT_STD)
     teacher = gpt(config, vocab, seq).to(device).eval()
+    std = float(teacher.decoder.layers[0].mlp.linear_fc1.weight.float().std())   # drawn with init_method
+    print(f"teacher linear_fc1 weight std {std:.4f} (init_method_std {TEACHER_INIT_STD})", flush=True)
+    if abs(std / TEACHER_INIT_STD - 1) > 0.1:
+        raise RuntimeError(f"teacher weight std {std:.4f} != init_method_std {TEACHER_INIT_STD}: not a peaked teacher")
     rng = np.random.default_rng(0)
     phrases = rng.integers(0, vocab, size=(64, 16))   # repeated phrases the student can learn
     stream = np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), size=samples * seq // 16 + 1)])

@@ -17,6 +17,7 @@ from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.utils.common_utils import get_world_size_safe
 
 from megatron_kd_plugin.bridge.context_parallel import check_cp_seq_length
+from megatron_kd_plugin.bridge.forward_step import check_no_mtp
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
 
@@ -93,7 +94,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
     whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
     whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
-    with context parallelism 2·cp divides seq_length; virtual pipelines, which the KD step does not handle, are off.
+    with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
+    KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -106,6 +108,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if (model.virtual_pipeline_model_parallel_size or 1) != 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}:"
                          " the KD step supports only None")
+    check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
     mode = cfg.dataset.open_validated(vocab_size=model.vocab_size).spec.mode
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):

@@ -128,6 +128,15 @@ def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = T
     return result.loss_sum, result.num_tokens.to(torch.int), report
 
 
+def check_no_mtp(config) -> None:
+    """ValueError for a student with multi-token-prediction heads (``mtp_num_layers``): given labels, GPTModel's MTP
+    path (``process_mtp_loss``) builds full [s, b, V] logits through ``output_layer`` and trains the heads on
+    hard-label CE, which the KD step neither wants nor pays for."""
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError(f"model.mtp_num_layers={config.mtp_num_layers}: the KD step does not train multi-token "
+                         "prediction heads (they would build full [s, b, V] logits); set model.mtp_num_layers=None")
+
+
 def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = False):
     """Bridge forward step: ``(output, partial(kd_loss_func, alpha))``; reads ``state.cfg.kd`` (a ``KDConfig``)."""
     if return_schedule_plan:
@@ -135,6 +144,7 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
                          "(set model.overlap_moe_expert_parallel_comm=False)")
     options = state.cfg.kd.options()
     config = get_model_config(model)
+    check_no_mtp(config)
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
     batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
                          is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp)

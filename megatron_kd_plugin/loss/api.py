@@ -69,7 +69,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.
         triton = options.impl == "fused" and not rows_path and use_triton_kernels(options.kernels, hidden2d)
         plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=labels is not None, triton=triton,
                         logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None,
-                        accumulate_main_grad=accumulate_main_grad)
+                        accumulate_main_grad=accumulate_main_grad, grad_enabled=torch.is_grad_enabled())
         batch = prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, labels, sample_weights)
         if options.impl == "forward_chunked":
             sums = forward_chunked_topk_kl(hidden2d, weight, plan, batch)

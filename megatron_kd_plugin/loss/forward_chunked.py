@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import KDBatch, LossPlan, loss_totals
+from .plan import KDBatch, LossPlan, input_grads, loss_totals
 from .vocab_loop import forward_pass
 
 
@@ -17,10 +17,10 @@ class _ChunkedLogitsKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan: LossPlan, batch: KDBatch):
         dtype = plan.dtype
-        grad = torch.empty(logits.shape, dtype=dtype, device=logits.device) if ctx.needs_input_grad[0] else None
+        grad = torch.empty(logits.shape, dtype=dtype, device=logits.device) if input_grads(ctx, plan)[0] else None
 
         def logits_chunk(rows: slice) -> torch.Tensor:                       # the gradient rows double as buffer
-            buffer = grad[rows] if grad is not None else torch.empty(logits[rows].shape, dtype=dtype)
+            buffer = grad[rows] if grad is not None else torch.empty(logits[rows].shape, dtype=dtype, device=logits.device)
             return buffer.copy_(logits[rows])
 
         on_grad = (lambda rows, chunk_grad: None) if grad is not None else None   # already written in place

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .main_grad import MainGrad, main_grad_of
-from .plan import KDBatch, LossPlan, finish_grad, loss_totals
+from .plan import KDBatch, LossPlan, finish_grad, input_grads, loss_totals
 from .vocab_loop import backward_pass, forward_pass
 
 
@@ -43,23 +43,50 @@ def _logits_source(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtyp
     return logits_chunk
 
 
+def half_into_fp32_gemm(device_type: str, torch_version: str = torch.__version__) -> str:
+    """How ``_mm_into_`` adds a half product a @ b into an fp32 out on this device and torch:
+
+    ``addmm``: one cuBLAS GEMM with fp32 output accumulating in place (``torch.addmm(out, a, b, out_dtype=fp32,
+    out=out)``): CUDA with torch >= 2.10. Before, the CUDA kernel required ``self`` to have mat2's dtype ("self and
+    mat2 must have the same dtype, but got Float and BFloat16"); pytorch PR 167931 relaxed it, first released in
+    2.10.0 (its check "self dtype must match either out_dtype or mat1 dtype" is in 2.10.0's libtorch_cuda.so, not in
+    2.9.1's). ``mm``: CUDA with torch 2.8 / 2.9: ``torch.mm(..., out_dtype=fp32)`` (new in 2.8) into fp32 blocks of
+    rows, each added to out. ``half``: older torch or not CUDA (CPU has no ``out_dtype`` kernels): blocks of the
+    product in the inputs' dtype (fp32 accumulation inside the GEMM, rounded to it), added in fp32. A pre-release
+    (2.10.0a0) counts as the release before it."""
+    if device_type != "cuda":
+        return "half"
+    version = torch.torch_version.TorchVersion(torch_version)
+    if version >= (2, 10, 0):
+        return "addmm"
+    return "mm" if version >= (2, 8, 0) else "half"
+
+
 def _mm_into_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b. Half a, b into an fp32 out: cuBLAS with fp32 output (``out_dtype``) on CUDA, else a product
-    in the inputs' dtype added in fp32 (the CPU interpreter runs of the Triton path)."""
+    """out (+)= a @ b; a half a, b into an fp32 out as ``half_into_fp32_gemm`` says. The ``mm`` / ``half`` fallbacks
+    form the product in blocks of a's rows of at most a's element count, so a [V/tp, c] x [c, H] dW product never
+    holds a [V/tp, H] temporary."""
     if out.dtype == a.dtype:
         if accumulate:
             out.addmm_(a, b)
         else:
             torch.mm(a, b, out=out)
-    elif out.is_cuda:
+        return
+    gemm = half_into_fp32_gemm(out.device.type)
+    if gemm == "addmm":
         if accumulate:
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
         else:
             torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out.add_(a @ b)
-    else:
-        out.copy_(a @ b)
+        return
+    step = max(1, a.numel() // max(1, b.shape[1]))
+    for start in range(0, a.shape[0], step):
+        rows = slice(start, start + step)
+        product = torch.mm(a[rows], b, out_dtype=out.dtype) if gemm == "mm" else a[rows] @ b
+        if accumulate:
+            out[rows].add_(product)
+        else:
+            out[rows].copy_(product)
 
 
 def _grad_sink(hidden: torch.Tensor, weight: torch.Tensor, d_hidden, d_weight, dtype: torch.dtype, block_rows: int):
@@ -108,7 +135,7 @@ class _FusedTopKKL(torch.autograd.Function):
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
         dtype = _gemm_dtype(plan, hidden, weight)
         block_rows = _block_rows(plan, weight)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = input_grads(ctx, plan)
         ctx.plan, ctx.batch, ctx.saved_coefs = plan, batch, None
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
@@ -121,7 +148,8 @@ class _FusedTopKKL(torch.autograd.Function):
             ctx.grads = (d_hidden, d_weight)
         else:
             totals, ctx.saved_coefs = forward_pass(plan, batch, logits_chunk, None, keep_coefs=need_dx or need_dw)
-            ctx.save_for_backward(hidden, weight)
+            if need_dx or need_dw:
+                ctx.save_for_backward(hidden, weight)
             ctx.grads = None
         return loss_totals(ctx, plan, totals)
 

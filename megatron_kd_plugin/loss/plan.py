@@ -32,6 +32,9 @@ class LossPlan:
     accumulate_main_grad: bool = False
     """Fused loss: accumulate dW into the weight's ``main_grad`` (megatron-core DDP's buffer) when it has one of the
     accumulation dtype, instead of returning it (``main_grad.py``)."""
+    grad_enabled: bool = True
+    """``torch.is_grad_enabled()`` at the call. Off (``torch.no_grad()``, Bridge's evaluation loop) the Functions
+    form no gradient and keep no per-token state (``input_grads``)."""
 
     def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the
@@ -108,6 +111,13 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
 def _teacher_block_tokens(plan: LossPlan, k: int, device: torch.device) -> int:
     """Tokens per block of the teacher's float64 math: ~16 float64 [tokens, K] temporaries within the chunk budget."""
     return max(1, plan.options.budget_bytes(device) // (16 * 8 * k))
+
+
+def input_grads(ctx, plan: LossPlan) -> tuple[bool, bool]:
+    """(dX needed, dW needed) for a loss Function's forward: an input requires grad and grad mode was on at the call.
+    ``ctx.needs_input_grad`` alone is not enough: it follows ``requires_grad`` even under ``torch.no_grad()``, and
+    inside ``Function.forward`` grad mode is always off."""
+    return plan.grad_enabled and ctx.needs_input_grad[0], plan.grad_enabled and ctx.needs_input_grad[1]
 
 
 def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

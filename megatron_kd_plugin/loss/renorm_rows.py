@@ -1,31 +1,33 @@
 """The ``renorm`` fast path: only the K rows W[I] of each token are needed, never the vocab.
 
-With D the sparse [T, V/tp] matrix holding each token's K slots (CSR, the canonical sorted ids as columns):
-g = (X W^T)[D's pattern] / tau (a sampled product, T*K*H), summed over the group, then ``token_terms`` gives
-d loss / d (X W^T) at the slots, and dX = D W, dW = D^T X are sparse-dense products. Cost T*K*H instead of
-T*V*H, memory O(T*K) beside dX and dW (no chunking needed); gradients are formed in forward.
+Per token t with shard-local slot ids I_t [K]: g_t = W[I_t] x_t / tau (K dot products), summed over the TP group,
+then ``token_terms`` gives d_t = d loss / d (X W^T) at the slots, and dX_t = d_t W[I_t], dW[I_t] += d_t x_t^T.
+Cost T*K*H instead of T*V*H. The rows are gathered and cast to the accumulation dtype one chunk of tokens at a time
+(``_token_chunks``: [c, K, H] within the chunk budget), so a bf16 [V/tp, H] weight is never copied whole, nor X;
+memory is O(T*K) beside dX and dW. Gradients are formed in forward (two passes over the chunks: g, then dX / dW).
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .main_grad import main_grad_of
-from .plan import KDBatch, LossPlan, finish_grad, loss_totals
+from .plan import KDBatch, LossPlan, finish_grad, input_grads, loss_totals
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
 
 
-def _slots(local_ids: torch.Tensor, values: torch.Tensor, vocab_local: int) -> torch.Tensor:
-    """CSR [T, V/tp] with the K slots of each token (ids are sorted per token, so rows are sorted)."""
-    num_tokens, k = local_ids.shape
-    crow = torch.arange(0, num_tokens * k + 1, k, device=local_ids.device)
-    with warnings.catch_warnings():                          # "sparse CSR support is in beta state"
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow, local_ids.reshape(-1).long(), values.reshape(-1),
-                                       (num_tokens, vocab_local))
+def _token_chunks(plan: LossPlan, weight: torch.Tensor, num_tokens: int, k: int):
+    """Slices of tokens whose gathered rows ([c, K, H] in the weight's dtype, two [c, K, H] in the accumulation
+    dtype: the cast rows and the dW outer products) fit the chunk budget."""
+    per_token = k * weight.shape[1] * (weight.element_size() + 2 * plan.dtype.itemsize)
+    step = max(1, plan.options.budget_bytes(weight.device) // max(1, per_token))
+    return (slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step))
+
+
+def _support_rows(weight: torch.Tensor, local_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W[I] for a chunk: local_ids [c, K] -> [c, K, H] in ``dtype`` (only these rows are cast)."""
+    return weight.index_select(0, local_ids.reshape(-1).long()).view(*local_ids.shape, -1).to(dtype)
 
 
 class _RenormRowsKL(torch.autograd.Function):
@@ -34,23 +36,27 @@ class _RenormRowsKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
         dtype = plan.dtype
-        x, w = hidden.to(dtype), weight.to(dtype)                            # [T, H], [V/tp, H]
-        vocab_local = w.shape[0]
         local = batch.local_valid                                            # [T, K]
-        if local.shape[1] > vocab_local:          # a CSR row may not hold more entries than columns: pad W (tiny)
-            w = torch.cat([w, w.new_zeros(local.shape[1] - vocab_local, w.shape[1])])
-            vocab_local = w.shape[0]
-        pattern = _slots(batch.local_ids, torch.zeros(local.shape, dtype=dtype, device=x.device), vocab_local)
-        g = torch.sparse.sampled_addmm(pattern, x, w.t()).values().view(local.shape) / plan.options.temperature
-        g = all_reduce_sum_(torch.where(local, g, g.new_zeros(())), plan.shard)   # [T, K]
+        num_tokens, k = local.shape
+        need_dx, need_dw = input_grads(ctx, plan)
+        g = hidden.new_empty((num_tokens, k), dtype=dtype)                   # [T, K]
+        for rows in _token_chunks(plan, weight, num_tokens, k):
+            w_rows = _support_rows(weight, batch.local_ids[rows], dtype)     # [c, K, H]
+            g[rows] = torch.bmm(w_rows, hidden[rows].to(dtype).unsqueeze(-1)).squeeze(-1)
+        g = all_reduce_sum_(torch.where(local, g / plan.options.temperature, g.new_zeros(())), plan.shard)
         terms = token_terms(TokenPartials(support_logits=g), batch.teacher, batch.weight, plan.options)
-        d_slots = _slots(batch.local_ids, torch.where(local, terms.support_grad, g.new_zeros(())), vocab_local)
-        d_hidden = torch.sparse.mm(d_slots, w) if ctx.needs_input_grad[0] else None     # [T, H]
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                d_weight = torch.sparse.mm(d_slots.t().to_sparse_csr(), x)[:weight.shape[0]]   # [V/tp, H]
+        d_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if need_dx else None     # [T, H]
+        d_weight = weight.new_zeros(weight.shape, dtype=dtype) if need_dw else None     # [V/tp, H]
+        if need_dx or need_dw:
+            d_slots = torch.where(local, terms.support_grad, g.new_zeros(()))          # [T, K]
+            for rows in _token_chunks(plan, weight, num_tokens, k):
+                ids, d = batch.local_ids[rows], d_slots[rows]                          # [c, K]
+                if need_dx:
+                    d_hidden[rows] = torch.bmm(d.unsqueeze(1), _support_rows(weight, ids, dtype)).squeeze(1)
+                if need_dw:
+                    x = hidden[rows].to(dtype)                                         # [c, H]
+                    d_weight.index_put_((ids.reshape(-1).long(),), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1),
+                                        accumulate=True)   # deterministic on CUDA (sorted), unlike index_add_
         totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
         ctx.main_grad = main_grad_of(weight, dtype, plan.accumulate_main_grad) if d_weight is not None else None
