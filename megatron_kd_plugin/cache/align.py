@@ -42,23 +42,21 @@ def valid_text(text: bytes) -> tuple[int, str]:
         return u, text[u:u + exc.start].decode("utf-8")
 
 
-def student_ends(student: TokenBytes, ids: list[int], text: str, where: str) -> np.ndarray:
+def student_ends(student: TokenBytes, ids: np.ndarray, text: str, where: str) -> np.ndarray:
     """int64 [n] byte ends of ``ids`` within ``text``'s UTF-8; ValueError if they do not concatenate to it (one
     leading space a SentencePiece tokenizer prepends is dropped from the first token)."""
-    lengths = student.lengths[np.asarray(ids, dtype=np.int64)] if ids else np.zeros(0, dtype=np.int64)
-    want = text.encode()
-    ends = np.cumsum(lengths)
-    if ends.size and ends[-1] == len(want) + 1 and student.strings[ids[0]][:1] == b" " and want[:1] != b" ":
-        ends -= 1
-        got = b"".join(student.strings[i] for i in ids)[1:]
-    else:
-        got = b"".join(student.strings[i] for i in ids)
-    if got != want:
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    want = np.frombuffer(text.encode(), dtype=np.uint8)
+    got = student.concat(ids)
+    ends = np.cumsum(student.lengths[ids])
+    if len(got) == len(want) + 1 and got[0] == 0x20 and (len(want) == 0 or want[0] != 0x20):
+        got, ends = got[1:], ends - 1
+    if len(got) != len(want) or not np.array_equal(got, want):
+        differ = np.flatnonzero(got[:len(want)] != want[:len(got)])
+        at = int(differ[0]) if differ.size else min(len(got), len(want))
         raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte {at}: "
-                         f"its tokens give {got[max(0, at - 12):at + 12]!r}, the teacher's text "
-                         f"{want[max(0, at - 12):at + 12]!r} (an unalignable byte span: the student tokenizer "
-                         "normalises or drops characters)")
+                         f"its tokens give {got[max(0, at - 12):at + 12].tobytes()!r}, the teacher's text "
+                         f"{want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: the student "
+                         "tokenizer normalises or drops characters, or has no token for them)")
     return ends
 
 
@@ -68,12 +66,13 @@ def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teach
     ``realised_logprobs`` [S]; ``where`` names the sample in errors."""
     tokens = np.asarray(tokens, dtype=np.int64)
     teacher_ends = np.cumsum(teacher.lengths[tokens])                                  # [S + 1] e_i
-    text = b"".join(teacher.strings[i] for i in tokens.tolist())
-    u, chars = valid_text(text)
-    ids = student.encode(chars)
+    u, chars = valid_text(teacher.concat(tokens).tobytes())
+    ids = np.asarray(student.encode(chars), dtype=np.int64)
     ends = student_ends(student, ids, chars, where) + u                                # [n] b_j
-    common = np.intersect1d(teacher_ends, ends)                                        # B, sorted, unique
-    common = common[common > u]
+    is_teacher_end = np.zeros(int(teacher_ends[-1]) + 1 if len(tokens) else 1, dtype=bool)
+    is_teacher_end[teacher_ends] = True
+    common = ends[is_teacher_end[ends]]                                                # B, sorted
+    common = common[(common > u) & np.append(common[1:] != common[:-1], True)]         # unique
     # the cut: the last boundary whose student token index is <= seq_length
     token_at = np.searchsorted(ends, common, side="right") - 1                        # last student token ending at B_k
     fits = np.flatnonzero(token_at <= seq_length)
@@ -91,7 +90,7 @@ def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teach
         np.add.at(chunk_logprobs, teacher_k[used] - 1, np.asarray(realised_logprobs, dtype=np.float64)[used])
     row_tokens = np.zeros(seq_length, dtype=np.int64)
     labels = np.zeros(seq_length, dtype=np.int64)
-    kept = np.asarray(ids[:m + 1], dtype=np.int64)
+    kept = ids[:m + 1]
     row_tokens[:m], labels[:m] = kept[:m], kept[1:m + 1]
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     loss_mask[:m] = 1.0

@@ -92,6 +92,8 @@ REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES = (
     "teacher_realised_logprob", "teacher_vocab_offsets", "teacher_vocab_bytes")
 ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES,
           SHARD_DONE)
+VOCAB_TABLE = (VOCAB_OFFSETS, VOCAB_BYTES)
+"""The arrays stored once per store (one chunk each, not per sample)."""
 SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 

@@ -120,6 +120,14 @@ class TokenBytes:
         return cls.from_tokenizer(Tokenizer.from_file(str(file)), vocab_size=vocab_size,
                                   identity=f"{file.name}:sha256={digest}")
 
+    def concat(self, ids: np.ndarray) -> np.ndarray:
+        """uint8 [sum of lengths]: the bytes of ``ids`` [n] back to back (one gather from the table)."""
+        lengths = self.lengths[ids]
+        total = int(lengths.sum())
+        starts = np.cumsum(lengths) - lengths                                 # where each token's bytes go
+        index = np.arange(total, dtype=np.int64) + np.repeat(self.offsets[ids] - starts, lengths)
+        return self.bytes[index]
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
