@@ -108,14 +108,18 @@ def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, se
     return positions, sums, ids
 
 
-def reference_loss(hidden, weight, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha):
-    """float64 dense ALM: full logits, per-chunk python loops, the binarised divergence written out."""
-    hidden, weight = hidden.double(), weight.double()
-    s, b, _ = hidden.shape
-    logp = torch.log_softmax(hidden @ weight.t(), -1)                                  # [s, b, V]
+def reference_loss(hidden, weight, *args, **kwargs):
+    """float64 dense ALM from hidden [s, b, H] and the full lm_head [V, H]."""
+    return reference_from_logits(hidden.double() @ weight.double().t(), *args, **kwargs)
+
+
+def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha):
+    """float64 dense ALM: full logits [s, b, V], per-chunk python loops, the binarised divergence written out."""
+    s, b, _ = logits.shape
+    logp = torch.log_softmax(logits.double(), -1)                                      # [s, b, V]
     l = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (mask != 0)      # [s, b]
     ce = -(mask.double() * l).sum()
-    chunk = hidden.new_zeros(())
+    chunk = logp.new_zeros(())
     for col in range(b):
         for c in sorted(set(chunk_ids[:, col].tolist()) - {-1}):
             members = (chunk_ids[:, col] == c).nonzero().flatten()
@@ -301,3 +305,103 @@ def test_tp2_equals_the_reference_loss_gradients_and_realised_logprobs():
             torch.testing.assert_close(d_weight, weight.grad[rank * 15:(rank + 1) * 15], rtol=1e-9, atol=1e-12)
     for _, realised in ranks:
         torch.testing.assert_close(realised.double(), expected_lp, rtol=0, atol=1e-5)
+
+
+# ---- the Bridge path: provider, forward step, CPU loop at TP=1 and TP=2 --------------------------------------------
+
+BRIDGE_SEQ, BRIDGE_STEPS = 40, 3
+
+
+def bridge_overrides(store, student_file, *extra):
+    return [f"dataset.cache_path={store}", f"dataset.student_tokenizer={student_file}", f"model.vocab_size={V_TEACHER}",
+            f"model.seq_length={BRIDGE_SEQ}", f"dataset.seq_length={BRIDGE_SEQ}", f"train.train_iters={BRIDGE_STEPS}",
+            *extra]
+
+
+def _bridge_tp1_body(folder):
+    """Write the cross-tokenizer store; the forward step's loss vs the float64 reference on the model's logits;
+    the refusals; three training steps."""
+    from unittest import mock
+
+    from megatron.bridge.training.state import GlobalState
+
+    import megatron_kd_plugin.bridge.config as kd_config
+    from megatron_kd_plugin.bridge.config import check_kd_config
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.cpu_compat import seed_model_parallel
+    from megatron.bridge.data.base import DatasetBuildContext
+
+    teacher = Tokenizer.from_file(str(folder / "teacher.json"))
+    stream = np.asarray(sum((teacher.encode(t).ids for t in TEXTS), []))
+    source = TokenWindows(stream, 24, num_samples=16, fingerprint="xtok-bridge", tokenizer="bpe",
+                          tokenizer_vocab_size=V_TEACHER)
+    table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
+    store, plain = folder / "xtok.zarr", folder / "plain.zarr"
+    for path, vocab_table in ((store, TokenBytes.from_tokenizer(teacher, vocab_size=V_TEACHER)), (plain, None)):
+        write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+                    teacher="table", samples_per_shard=4, progress=False, vocab_table=vocab_table)
+    recipe = "tiny_gpt_xtok_kd_cpu_fp32_config"
+    cfg = build_config(recipe, bridge_overrides(store, folder / "student.json"))
+    cfg.model.finalize()
+    check_kd_config(cfg)
+    seed_model_parallel(cfg.rng.seed)
+    model = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+    data = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=2, valid_samples=0, test_samples=0))[0]
+    batch = {key: torch.stack([data[i][key] for i in range(2)]) for key in data[0]}
+    state = GlobalState()
+    state.cfg = cfg
+    with torch.no_grad():
+        output, loss_func = kd_forward_step(state, iter([batch]), model)
+        loss_sum, num_tokens, report = loss_func(output)
+        positions = torch.arange(BRIDGE_SEQ).expand(2, BRIDGE_SEQ)
+        mask = torch.ones(BRIDGE_SEQ, BRIDGE_SEQ, dtype=torch.bool).triu(1).view(1, 1, BRIDGE_SEQ, BRIDGE_SEQ)
+        logits = model(batch["tokens"], positions, mask).transpose(0, 1)                        # [s, b, V]
+    expected = reference_from_logits(logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(),
+                                     batch["loss_mask"].t(), divergence="forward_kl", temperature=1.0,
+                                     alpha=cfg.kd.alpha)
+    refusals = {}
+    for name, overrides in (("plain store", bridge_overrides(plain, folder / "student.json")),
+                            ("no tokenizer", bridge_overrides(store, folder / "missing")),
+                            ("context parallel", bridge_overrides(store, folder / "student.json",
+                                                                  "model.context_parallel_size=2"))):
+        try:
+            wrong = build_config(recipe, overrides)
+            wrong.model.finalize()
+            with mock.patch.object(kd_config, "get_world_size_safe", lambda: 2):   # CP=2 fits a world of 2
+                check_kd_config(wrong)
+            refusals[name] = "accepted"
+        except ValueError as exc:
+            refusals[name] = str(exc)
+    _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json")), progress=False)
+    return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
+                mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history)
+
+
+def _bridge_tp2_body(folder):
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.train_cli import build_config
+
+    cfg = build_config("tiny_gpt_xtok_kd_cpu_fp32_config",
+                       bridge_overrides(folder / "xtok.zarr", folder / "student.json",
+                                        "model.tensor_model_parallel_size=2"))
+    return train_on_cpu(cfg, progress=False)[1]
+
+
+def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
+    train_bpe(V_TEACHER).save(str(tmp_path / "teacher.json"))
+    train_unigram(300).save(str(tmp_path / "student.json"))
+    tp1 = run_on_ranks(1, _bridge_tp1_body, tmp_path, timeout=600)[0]
+    assert tp1["tokens"] == tp1["mask"] > 0
+    assert math.isclose(tp1["loss"], tp1["expected"], rel_tol=1e-5), tp1
+    assert tp1["report"] == ["chunk gap", "chunk loss", "chunks", "lm loss"]
+    assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
+    assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
+    assert "chunks would be split across CP ranks" in tp1["refusals"]["context parallel"]
+    tp2 = run_on_ranks(2, _bridge_tp2_body, tmp_path, timeout=600)
+    assert len(tp1["history"]) == BRIDGE_STEPS
+    for rank_history in tp2:
+        for a, b in zip(tp1["history"], rank_history):
+            for key in ("loss", "chunk loss", "lm loss", "grad norm"):
+                assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
