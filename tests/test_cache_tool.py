@@ -121,10 +121,11 @@ def test_torchrun_tp2_cross_tokenizer_store_holds_realised_logprobs_and_the_byte
     for i in range(6):
         realised = logprobs[i].gather(-1, tokens[i][1:, None]).squeeze(-1)            # [S]
         torch.testing.assert_close(reader[i]["teacher_realised_logprob"].double(), realised, atol=2e-5, rtol=0)
-    refused = subprocess.run(_cache_command(work / "teacher", str(work / "data"), work / "no_tok.zarr",
-                                            "--cross-tokenizer"), env=_env(1), capture_output=True, text=True,
-                             timeout=300)
-    assert refused.returncode != 0 and "--cross-tokenizer needs the teacher's tokenizer" in refused.stderr
+    from megatron_kd_plugin.cache.cli import cross_tokenizer_table, parse_args
+
+    args = parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "4", "--cross-tokenizer"])
+    with pytest.raises(ValueError, match="--cross-tokenizer needs the teacher's tokenizer"):
+        cross_tokenizer_table(args, None, SPEC.vocab_size)
 
 
 def _done(output) -> int:

@@ -189,12 +189,22 @@ def main(argv: list[str] | None = None) -> int:
         model, history, seconds = train(cfg)
         rows.append(dict(name=name, bpb=bits_per_byte(model, tok, heldout, s), seconds=seconds,
                          last=history[-1]))
+    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
+    from megatron_kd_plugin.cache import TopKCacheReader
+
+    reader = TopKCacheReader(store)
+    sample_rows = CrossTokenizerDataset(reader, np.arange(min(256, len(reader))), student=TokenBytes.load(tok_b),
+                                        seq_length=seq_b, num_rows=min(256, len(reader)), seed=0, shuffle=False)
+    b_rows = [sample_rows[i] for i in range(len(sample_rows))]
+    b_labels = float(np.mean([float(r["loss_mask"].sum()) for r in b_rows]))
+    b_chunked = float(np.mean([float((r["chunk_ids"] >= 0).sum() / r["loss_mask"].sum()) for r in b_rows]))
     bpb = {row["name"]: row["bpb"] for row in rows}
     same_gain = bpb["A-ce"] - bpb["A-kd"]
     cross_gain = bpb["B-ce"] - bpb["B-alm"]
     lines = [f"teacher {args.teacher_layers}x{args.teacher_hidden} ({args.teacher_steps} steps), students 2x64, "
              f"{args.steps} steps x 8 rows, vocab {vocab} (A: byte-level BPE, B: Unigram), top-{args.k} cache, "
-             f"alpha {args.alpha}; {len(source)} cached samples of {seq} A-tokens", "",
+             f"alpha {args.alpha}; {len(source)} cached samples of {seq} A-tokens; B rows (seq_length {seq_b}) hold "
+             f"{b_labels:.1f} labels on average, {b_chunked:.3f} of them in a used chunk", "",
              "| model | held-out bits/byte | train s |", "|---|---:|---:|"]
     lines += [f"| {row['name']} | {row['bpb']:.4f} | {row['seconds']:.0f} |" for row in rows]
     lines += ["", f"same-tokenizer KD gain over CE (A): {same_gain:+.4f} bpb; cross-tokenizer ALM gain over CE (B): "

@@ -43,7 +43,7 @@ teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K o
 the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``,
 o = ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and
 token t's byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only
-the realised log-prob is per token (~1.4 B/token in fp16-bitround7, docs/cache.md).
+the realised log-prob is per token (~1.2 B/token in fp16-bitround7, docs/cache.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache

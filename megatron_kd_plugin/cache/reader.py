@@ -4,8 +4,9 @@
 row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
 a sampled store (K = N draws) also carry ``teacher_sample_weights`` float32 ``[S, K]``, the importance weights
 w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``sample.sample_weights``.
-A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and ``reader.vocab_table()``
-is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). ``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
+A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
+``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``).
+``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
 cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store and one
 whose metadata do not match its attributes (``format.open_store``); ``validate`` checks the store against what
 the student expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
