@@ -13,7 +13,9 @@ every token of a used chunk has its log-prob on both sides. Per used chunk the t
 t_k = sum of teacher_realised_logprob[i - 1] over the teacher tokens i in it.
 
 Cut: the row holds at most seq_length + 1 student tokens. With more, it ends at the last boundary B_K whose student
-token j_K <= seq_length: tokens 0..j_K are kept, chunks 1..K used, nothing after B_K (never mid-chunk).
+token j_K <= seq_length: tokens 0..j_K are kept, chunks 1..K used, nothing after B_K (never mid-chunk). Student
+tokens after the last common boundary (a window's ragged end) are dropped too. With no common boundary within
+reach the row holds the first seq_length + 1 tokens with no chunk (CE only).
 
 Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens - 1):
     tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m,
