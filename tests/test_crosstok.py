@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, cross_tokenizer_row, valid_text
+from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, cross_tokenizer_row, student_ends, valid_text
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
 from megatron_kd_plugin.cache.writer import write_cache
@@ -188,6 +188,24 @@ def test_a_window_starting_inside_a_multibyte_character_is_aligned_after_it(toke
     row = cross_tokenizer_row(tokens, -np.ones(len(tokens) - 1), teacher, student, 64)
     positions, sums, _ = reference_row(tokens.tolist(), -np.ones(len(tokens) - 1), teacher, student, 64)
     assert row[CHUNK_IDS].tolist() == positions.tolist() and len(sums) >= 2
+
+
+def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped():
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+                                                           unk_token="<unk>"))
+    student = TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+    text = "and again<|endoftext|>Numbers again"
+    ids = np.asarray(student.encode(text))
+    assert student.concat(ids).tobytes() != text.encode()       # the tokenizer inserts "▁" after the special token
+    ends = student_ends(student, ids, text, "test")
+    assert ends[-1] == len(text.encode())
+    pieces = [text.encode()[a:b] for a, b in zip(np.r_[0, ends[:-1]], ends)]
+    assert b"".join(pieces) == text.encode() and b"<|endoftext|>" in pieces and pieces[pieces.index(b"<|endoftext|>")
+                                                                                         + 1][:1] == b"N"
+    with pytest.raises(ValueError, match="disagree at byte 9"):
+        student_ends(student, ids, "and againX|endoftext|>Numbers again", "test")
 
 
 # ---- store and dataset --------------------------------------------------------------------------------------------

@@ -45,21 +45,36 @@ def valid_text(text: bytes) -> tuple[int, str]:
 
 
 def student_ends(student: TokenBytes, ids: np.ndarray, text: str, where: str) -> np.ndarray:
-    """int64 [n] byte ends of ``ids`` within ``text``'s UTF-8; ValueError if they do not concatenate to it (one
-    leading space a SentencePiece tokenizer prepends is dropped from the first token)."""
+    """int64 [n] byte ends of ``ids`` within ``text``'s UTF-8; ValueError if they do not concatenate to it. A space
+    a SentencePiece-style tokenizer prepends to a piece (at the start, and after each special token) that the text
+    does not hold is dropped from that token."""
     want = np.frombuffer(text.encode(), dtype=np.uint8)
     got = student.concat(ids)
-    ends = np.cumsum(student.lengths[ids])
-    if len(got) == len(want) + 1 and got[0] == 0x20 and (len(want) == 0 or want[0] != 0x20):
-        got, ends = got[1:], ends - 1
+    lengths = student.lengths[ids]
     if len(got) != len(want) or not np.array_equal(got, want):
-        differ = np.flatnonzero(got[:len(want)] != want[:len(got)])
-        at = int(differ[0]) if differ.size else min(len(got), len(want))
-        raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte {at}: "
-                         f"its tokens give {got[max(0, at - 12):at + 12].tobytes()!r}, the teacher's text "
-                         f"{want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: the student "
-                         "tokenizer normalises or drops characters, or has no token for them)")
-    return ends
+        lengths, at = _drop_prefix_spaces(student, ids, want.tobytes())
+        if at is not None:
+            raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte "
+                             f"{at}: its tokens give {student.concat(ids).tobytes()[max(0, at - 12):at + 12]!r}, the "
+                             f"teacher's text {want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: "
+                             "the student tokenizer normalises or drops characters, or has no token for them)")
+    return np.cumsum(lengths)
+
+
+def _drop_prefix_spaces(student: TokenBytes, ids: np.ndarray, want: bytes) -> tuple[np.ndarray, int | None]:
+    """(token lengths with inserted leading spaces removed, None) or (-, the first byte of ``want`` no token
+    matches)."""
+    lengths, position = student.lengths[ids].copy(), 0
+    for j, token in enumerate(ids.tolist()):
+        piece = student.strings[token]
+        if want.startswith(piece, position):
+            position += len(piece)
+        elif piece[:1] == b" " and want.startswith(piece[1:], position):
+            lengths[j] -= 1
+            position += len(piece) - 1
+        else:
+            return lengths, position
+    return lengths, None if position == len(want) else position
 
 
 def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
