@@ -202,8 +202,7 @@ def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped
     ends = student_ends(student, ids, text, "test")
     assert ends[-1] == len(text.encode())
     pieces = [text.encode()[a:b] for a, b in zip(np.r_[0, ends[:-1]], ends)]
-    assert b"".join(pieces) == text.encode() and b"<|endoftext|>" in pieces and pieces[pieces.index(b"<|endoftext|>")
-                                                                                         + 1][:1] == b"N"
+    assert b"".join(pieces) == text.encode() and b"<|endoftext|>" in pieces      # the inserted "▁" became b""
     with pytest.raises(ValueError, match="disagree at byte 9"):
         student_ends(student, ids, "and againX|endoftext|>Numbers again", "test")
 
