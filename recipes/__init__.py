@@ -3,6 +3,10 @@
     python -m megatron_kd_plugin train --recipe tiny_gpt_kd_cpu_fp32_config dataset.cache_path=cache.zarr train.train_iters=8
 """
 
+from recipes.cross_tokenizer import (
+    llama3_8b_to_qwen3_0p6b_xtok_kd_8k_1gpu_h200_bf16_config,
+    tiny_gpt_xtok_kd_cpu_fp32_config,
+)
 from recipes.long_context import qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config, qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config
 from recipes.qwen3 import qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config, qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config
 from recipes.tiny import tiny_gpt_kd_cpu_fp32_config
@@ -11,7 +15,8 @@ RECIPES = {fn.__name__: fn for fn in (
     qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config, qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config,
     qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config,
     qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config,
-    tiny_gpt_kd_cpu_fp32_config,
+    tiny_gpt_kd_cpu_fp32_config, llama3_8b_to_qwen3_0p6b_xtok_kd_8k_1gpu_h200_bf16_config,
+    tiny_gpt_xtok_kd_cpu_fp32_config,
 )}
 
 __all__ = sorted(RECIPES)

@@ -101,6 +101,34 @@ def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_sett
     assert pp.returncode != 0 and "pipeline parallelism is not supported" in pp.stderr
 
 
+def test_torchrun_tp2_cross_tokenizer_store_holds_realised_logprobs_and_the_byte_table(teacher_and_data):
+    """``--cross-tokenizer`` at TP=2: each token's realised log-prob equals the float64 reference (in the top-K or
+    not) and the store holds the tokenizer's byte table; without a tokenizer the option is refused."""
+    from tokenizers import Tokenizer, models
+
+    work, tokens, logprobs = teacher_and_data
+    tokenizer = work / "letters.json"
+    Tokenizer(models.WordLevel({chr(0x41 + i) if i < 32 else chr(0x3b1 + i - 32): i
+                                for i in range(SPEC.vocab_size)}, unk_token="A")).save(str(tokenizer))
+    output = work / "xtok.zarr"
+    result = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--tp", "2",
+                                           "--num-samples", "6", "--logprob-codec", "fp32", "--cross-tokenizer",
+                                           "--tokenizer", str(tokenizer), nproc=2),
+                            env=_env(2), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reader = TopKCacheReader(output)
+    table = reader.vocab_table()
+    assert table.strings[3] == b"D" and table.strings[40] == "\u03b9".encode()   # two-byte UTF-8 letters too
+    for i in range(6):
+        realised = logprobs[i].gather(-1, tokens[i][1:, None]).squeeze(-1)            # [S]
+        torch.testing.assert_close(reader[i]["teacher_realised_logprob"].double(), realised, atol=2e-5, rtol=0)
+    from megatron_kd_plugin.cache.cli import cross_tokenizer_table, parse_args
+
+    args = parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "4", "--cross-tokenizer"])
+    with pytest.raises(ValueError, match="--cross-tokenizer needs the teacher's tokenizer"):
+        cross_tokenizer_table(args, None, SPEC.vocab_size)
+
+
 def _done(output) -> int:
     """Shards marked done, read straight from the marker files (fast enough to poll); -1 before creation."""
     markers = pathlib.Path(output) / fmt.SHARD_DONE / "c"

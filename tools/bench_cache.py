@@ -30,6 +30,13 @@ store read as written (chunk records checked) and the same store with its ``chun
 version set to 2 (read without them, as a version 2 store is), in alternating rounds in this one process; best
 rate of each, their ratio, and the bytes/token of ``chunk_records``.
 
+``--cross-tokenizer`` (issue #18) writes one store of the synthetic teacher over real text (the running
+interpreter's stdlib ``*.py`` sources, tokenized by a byte-level BPE trained on them, ``--vocab``'s first entry ids)
+with and without the cross-tokenizer arrays, and prints the added bytes/token (the realised log-probs; the byte
+table once per store) and the reader's rows/s and tokens/s: the same-tokenizer dataset (``TopKCacheDataset``) next
+to the cross-tokenizer one (``CrossTokenizerDataset``: read, re-tokenise with a Unigram student tokenizer trained on
+the same text, align, cut) in random order, in one run; the ratio is the cost of the alignment.
+
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
 a, b are set so that the mean top-100 mass is ~0.9 and the mean entropy ~2.5 nats, like a mid-size LM on text.
@@ -359,6 +366,89 @@ def overhead_runs(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def stdlib_texts(max_bytes: int) -> list[str]:
+    """The running interpreter's stdlib ``*.py`` sources in sorted order, up to ``max_bytes`` of UTF-8."""
+    import sysconfig
+
+    texts, total = [], 0
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text.encode())
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def cross_tokenizer_runs(args) -> None:
+    """The ``--cross-tokenizer`` table (module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset, TopKCacheDataset
+    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+    vocab = args.vocab[0]
+    texts = stdlib_texts(6 * args.samples * args.seq_length)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=min(vocab, 8192), special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    uni = Tokenizer(models.Unigram())
+    uni.pre_tokenizer, uni.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    uni.train_from_iterator(texts, trainers.UnigramTrainer(vocab_size=6000, special_tokens=["<unk>"], unk_token="<unk>",
+                                                           show_progress=False))
+    small_bpe = Tokenizer(models.BPE())
+    small_bpe.pre_tokenizer, small_bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    small_bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=6000, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    teacher = TokenBytes.from_tokenizer(bpe, vocab_size=vocab)
+    students = {"Unigram 6k": TokenBytes.from_tokenizer(uni), "byte-level BPE 6k": TokenBytes.from_tokenizer(small_bpe)}
+    stream = np.concatenate([np.asarray(bpe.encode(t).ids + [0]) for t in texts])
+    source = TokenWindows(stream, args.seq_length, num_samples=args.samples, fingerprint="bench", tokenizer="bpe",
+                          tokenizer_vocab_size=vocab)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench_xtok_"))
+    try:
+        logits_fn = synthetic_teacher(vocab)
+        for name, table in (("plain", None), ("cross", teacher)):
+            write_cache(source, logits_fn, work / name, k=args.k, vocab_size=vocab, teacher="bench",
+                        samples_per_shard=8, micro_batch_size=args.micro_batch_size, progress=False, vocab_table=table)
+        tokens = len(source) * source.seq_length
+        plain, cross = (stored_bytes(work / name) for name in ("plain", "cross"))
+        print(f"\n### cross-tokenizer store: K={args.k}, V={vocab:,}, {len(source)} samples x {source.seq_length} "
+              f"stdlib-source tokens, codec {fmt.DEFAULT_LOGPROB_CODEC}\n")
+        print("| array | bytes/token | bytes per store |\n|---|---:|---:|")
+        print(f"| same-tokenizer store (all arrays) | {sum(plain.values()) / tokens:.1f} | {sum(plain.values()):,} |")
+        for name in (fmt.REALISED_LOGPROB, fmt.VOCAB_OFFSETS, fmt.VOCAB_BYTES):
+            print(f"| + {name} | {cross[name] / tokens:.2f} | {cross[name]:,} |")
+        print(f"| cross-tokenizer store (all arrays) | {sum(cross.values()) / tokens:.1f} | {sum(cross.values()):,} |")
+        reader = TopKCacheReader(work / "cross")
+        ids = np.arange(len(source))
+        print("\n| reader | student tokens / teacher token | labels in a used chunk | rows/s (wall) "
+              "| teacher tokens/s (CPU) | student encode alone, tokens/s (CPU) | ratio to same-tokenizer |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        same = TopKCacheDataset(reader, ids, seq_length=args.seq_length, num_rows=len(source), seed=0)
+        wall, base = reader_rate(lambda i: same[i], len(source), source.seq_length)
+        print(f"| TopKCacheDataset (same tokenizer, K={args.k}) | 1 | 1 | {wall / source.seq_length:.0f} | {base:,.0f} "
+              "| | 1.00 |")
+        for name, student in students.items():
+            data = CrossTokenizerDataset(reader, ids, student=student, seq_length=2 * args.seq_length,
+                                         num_rows=len(source), seed=0)
+            rows = [data[i] for i in range(len(source))]
+            labels = sum(float(r["loss_mask"].sum()) for r in rows)
+            chunked = sum(int((r["chunk_ids"] >= 0).sum()) for r in rows)
+            wall, cpu = reader_rate(lambda i: data[i], len(source), source.seq_length)
+            texts_of = [teacher.concat(reader.sample_arrays(i, (fmt.TOKENS,))[fmt.TOKENS].astype(np.int64)).tobytes()
+                        .decode(errors="ignore") for i in ids]
+            begin = time.process_time()
+            encoded = sum(len(student.encode(t)) for t in texts_of)
+            encode_rate = encoded / (time.process_time() - begin)
+            print(f"| CrossTokenizerDataset, student {name} | {labels / tokens:.3f} | {chunked / labels:.3f} "
+                  f"| {wall / source.seq_length:.0f} | {cpu:,.0f} | {encode_rate:,.0f} | {cpu / base:.2f} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 201088])
@@ -381,7 +471,13 @@ def main() -> None:
     parser.add_argument("--integrity-cost", action="store_true",
                         help="reader cost of format version 3's records, against the same store read as version 2")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds for --integrity-cost")
+    parser.add_argument("--cross-tokenizer", action="store_true",
+                        help="bytes/token and reader throughput of a cross-tokenizer store (issue #18)")
     args = parser.parse_args()
+    if args.cross_tokenizer:
+        torch.set_grad_enabled(False)
+        cross_tokenizer_runs(args)
+        return
     if args.overhead or args.overhead_hf:
         overhead_runs(args)
         return

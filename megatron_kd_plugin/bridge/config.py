@@ -95,7 +95,9 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
     whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
     with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
-    KD step does not handle, are off.
+    KD step does not handle, are off. A cross-tokenizer student (``dataset.student_tokenizer``) needs a store with the
+    cross-tokenizer arrays, its tokenizer inside model.vocab_size, and no context parallelism (the tail/mode check
+    does not apply).
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -110,7 +112,13 @@ def check_kd_config(cfg: ConfigContainer) -> None:
                          " the KD step supports only None")
     check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
-    mode = cfg.dataset.open_validated(vocab_size=model.vocab_size).spec.mode
+    reader = cfg.dataset.open_validated(vocab_size=model.vocab_size)
+    if cfg.dataset.student_table(reader) is not None:             # cross-tokenizer rows: the ALM chunk loss
+        if model.context_parallel_size > 1:
+            raise ValueError(f"model.context_parallel_size={model.context_parallel_size} with a cross-tokenizer "
+                             "student (dataset.student_tokenizer): chunks would be split across CP ranks; use 1")
+        return
+    mode = reader.spec.mode
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):
         raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "
                          "store needs kd.tail='sampled', and kd.tail='sampled' a store written with --sample N")

@@ -13,6 +13,10 @@ sample. Window w of cached sample i gives the row
 Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
 from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
 samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+
+``CrossTokenizerDataset`` (issue #18): a student with its own tokenizer; each cached sample gives one row, its text
+re-tokenised by the student and aligned into chunks (``megatron_kd_plugin.cache.align``), with ``chunk_ids`` and
+``teacher_chunk_logprobs`` instead of the teacher's top-K.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
+from megatron_kd_plugin.cache.align import cross_tokenizer_row
+from megatron_kd_plugin.cache.format import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS
 
 
 class TopKCacheDataset(torch.utils.data.Dataset):
@@ -28,18 +33,22 @@ class TopKCacheDataset(torch.utils.data.Dataset):
 
     def __init__(self, reader, sample_ids: np.ndarray, *, seq_length: int, num_rows: int, seed: int,
                  shuffle: bool = True):
-        reader.validate(seq_length=seq_length)
         if len(sample_ids) == 0:
             raise ValueError("this split holds no cached samples; change the split or write a larger cache")
         self.reader = reader
         self.sample_ids = np.asarray(sample_ids, dtype=np.int64)
         self.seq_length = seq_length
-        self.windows_per_sample = reader.spec.seq_length // seq_length
+        self.windows_per_sample = self._windows_per_sample(reader, seq_length)
         self.windows_per_epoch = len(self.sample_ids) * self.windows_per_sample
         self.num_rows = num_rows
         self.seed = seed
         self.shuffle = shuffle
         self._epoch, self._order = -1, None
+
+    @staticmethod
+    def _windows_per_sample(reader, seq_length: int) -> int:
+        reader.validate(seq_length=seq_length)
+        return reader.spec.seq_length // seq_length
 
     def __len__(self) -> int:
         return self.num_rows
@@ -69,3 +78,25 @@ class TopKCacheDataset(torch.utils.data.Dataset):
             "teacher_ids": cached["teacher_ids"],                       # [S, K]
             "teacher_logprobs": cached["teacher_logprobs"],             # [S, K]
         }
+
+
+class CrossTokenizerDataset(TopKCacheDataset):
+    """``num_rows`` rows of a student whose tokenizer (``student``, a ``token_bytes.TokenBytes``) differs from the
+    teacher's: one row of ``seq_length`` student tokens per cached sample (``align.cross_tokenizer_row``)."""
+
+    def __init__(self, reader, sample_ids: np.ndarray, *, student, seq_length: int, num_rows: int, seed: int,
+                 shuffle: bool = True):
+        self.teacher, self.student = reader.vocab_table(), student
+        super().__init__(reader, sample_ids, seq_length=seq_length, num_rows=num_rows, seed=seed, shuffle=shuffle)
+
+    @staticmethod
+    def _windows_per_sample(reader, seq_length: int) -> int:
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length}: expected >= 1")
+        return 1
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        sample, _ = self.window_of(int(row))
+        arrays = self.reader.sample_arrays(sample, (TOKENS, REALISED_LOGPROB))
+        return cross_tokenizer_row(arrays[TOKENS], arrays[REALISED_LOGPROB], self.teacher, self.student,
+                                   self.seq_length, where=f"{self.reader.path} sample {sample}")

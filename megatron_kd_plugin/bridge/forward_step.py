@@ -17,6 +17,12 @@ Per microbatch:
      ``lm loss`` (only when alpha < 1), ``student top-K mass`` and ``teacher top-K mass``. With Bridge's
      ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there, through
      megatron-core's rerun state machine as Bridge's own loss does.
+
+Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``
+instead of the teacher's top-K: the last stage then takes those, the loss is ``chunk_likelihood_loss`` (the ALM
+chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature, ``kd.alpha``,
+``kd.chunk_bytes``), and the report holds ``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap``
+(mean |t_c - s_c| in nats per chunk). Context parallelism would split chunks across ranks: refused.
 """
 
 from __future__ import annotations
@@ -25,16 +31,21 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
+from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS
 from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
 from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
+from megatron_kd_plugin.loss.cross_tokenizer import ChunkLossResult, chunk_likelihood_loss
 
 FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask", "teacher_ids", "teacher_logprobs")
+CROSS_TOKENIZER_KEYS = ("labels", "loss_mask", CHUNK_IDS, CHUNK_LOGPROBS)
+"""The last stage's keys for cross-tokenizer rows (a batch holding ``chunk_ids``)."""
 OPTIONAL_LAST_STAGE_KEYS = (SAMPLE_WEIGHTS,)
 """Passed on when the batch has them (rows of a sampled store); None otherwise."""
 
@@ -46,15 +57,20 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool,
 
     Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
     """
-    keys = FIRST_STAGE_KEYS + LAST_STAGE_KEYS + OPTIONAL_LAST_STAGE_KEYS
-    wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + (LAST_STAGE_KEYS if is_last_stage else ())
-    if not wanted:
+    keys = FIRST_STAGE_KEYS + LAST_STAGE_KEYS + OPTIONAL_LAST_STAGE_KEYS + (CHUNK_IDS, CHUNK_LOGPROBS)
+    if not (is_first_stage or is_last_stage):
         return dict.fromkeys(keys)
     batch = next(data_iterator)
+    cross = CHUNK_IDS in batch
+    wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + \
+        ((CROSS_TOKENIZER_KEYS if cross else LAST_STAGE_KEYS) if is_last_stage else ())
+    if cross and cp_group is not None and dist.get_world_size(cp_group) > 1:
+        raise ValueError("cross-tokenizer rows with context parallelism: a chunk would be split across CP ranks; "
+                         "set model.context_parallel_size=1")
     missing = [key for key in wanted if key not in batch]
     if missing:
         raise ValueError(f"KD batch lacks {missing}: the data iterator must yield TopKCacheDataset rows")
-    if is_last_stage:
+    if is_last_stage and not cross:
         wanted += tuple(key for key in OPTIONAL_LAST_STAGE_KEYS if key in batch)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     batch = {key: batch[key].to(device, non_blocking=True) if key in wanted else None for key in keys}
@@ -85,7 +101,8 @@ def run_forward_pre_hooks(module: torch.nn.Module) -> None:
                                "reads the weight without calling the module and cannot honour it")
 
 
-def _kd_output_processor(*, hidden_states, output_layer, output_weight, context, **_) -> KDLossResult:
+def _kd_output_processor(*, hidden_states, output_layer, output_weight, context,
+                         **_) -> KDLossResult | ChunkLossResult:
     """GPTModel ``output_processor``: final hidden states + lm_head shard -> the fused top-K KD loss.
 
     The weight is ``output_layer``'s (untied, or tied on a last stage without the embedding), whose forward never
@@ -96,6 +113,8 @@ def _kd_output_processor(*, hidden_states, output_layer, output_weight, context,
     if output_layer is not None:
         run_forward_pre_hooks(output_layer)
     weight = output_weight if output_weight is not None else output_layer.weight   # [V/tp, H]
+    if CHUNK_IDS in context:
+        return chunk_likelihood_loss(hidden_states, weight, **context)
     return topk_kd_loss(hidden_states, weight, **context)
 
 
@@ -109,13 +128,23 @@ def validate_local_loss(loss: torch.Tensor) -> None:
                                             tolerance=0.0, fatal=True)   # the forward is deterministic
 
 
-def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = True,
+def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = True, cross_tokenizer: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's 3-tuple loss contract from the loss's result (``lm loss`` reported only when alpha < 1).
 
-    ``output_tensor`` is the ``KDLossResult`` (or the plain tuple a bf16 ``Float16Module`` turns it into);
-    ``check_for_nan_in_loss`` (Bridge's ``rerun_state_machine.check_for_nan_in_loss``) validates the loss sum.
+    ``output_tensor`` is the ``KDLossResult`` (``ChunkLossResult`` when ``cross_tokenizer``; or the plain tuple a
+    bf16 ``Float16Module`` turns it into); ``check_for_nan_in_loss`` (Bridge's
+    ``rerun_state_machine.check_for_nan_in_loss``) validates the loss sum.
     """
+    if cross_tokenizer:
+        chunks = ChunkLossResult(*output_tensor)
+        if check_for_nan_in_loss:
+            validate_local_loss(chunks.loss_sum)
+        count = chunks.num_tokens.to(torch.float32)
+        report = {"chunk loss": torch.stack([chunks.chunk_sum, count]), "lm loss": torch.stack([chunks.ce_sum, count]),
+                  "chunks": torch.stack([chunks.num_chunks.float(), count]),
+                  "chunk gap": torch.stack([chunks.chunk_gap_sum, chunks.num_chunks.float()])}
+        return chunks.loss_sum, chunks.num_tokens.to(torch.int), report
     result = KDLossResult(*output_tensor)
     if check_for_nan_in_loss:
         validate_local_loss(result.loss_sum)
@@ -149,7 +178,14 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
                          is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp)
     context = None
-    if batch["teacher_ids"] is not None:
+    cross = batch[CHUNK_IDS] is not None
+    if cross:
+        context = dict(labels=batch["labels"].t(), chunk_ids=batch[CHUNK_IDS].t(),                  # [s, b]
+                       teacher_chunk_logprobs=batch[CHUNK_LOGPROBS].t(), loss_mask=batch["loss_mask"].t(),
+                       divergence=options.divergence, jsd_beta=options.jsd_beta, temperature=options.temperature,
+                       alpha=options.alpha, chunk_bytes=options.chunk_bytes, tp_group=pg_collection.tp,
+                       sequence_parallel=config.sequence_parallel)
+    elif batch["teacher_ids"] is not None:
         context = dict(
             teacher_ids=batch["teacher_ids"].transpose(0, 1),              # [s, b, K]
             teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1),    # [s, b, K]
@@ -164,5 +200,5 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
                    attention_mask=_causal_mask_off_cuda(config.seq_length if batch["tokens"] is None
                                                         else batch["tokens"].shape[1]),
                    labels=batch["labels"], output_processor=_kd_output_processor, output_processor_context=context)
-    return output, functools.partial(kd_loss_func, options.alpha,
+    return output, functools.partial(kd_loss_func, options.alpha, cross_tokenizer=cross,
                                      check_for_nan_in_loss=state.cfg.rerun_state_machine.check_for_nan_in_loss)

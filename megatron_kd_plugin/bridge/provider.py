@@ -6,6 +6,11 @@ Bridge calls ``build_datasets(context)`` during setup with the sample counts its
 a ``TopKCacheDataset`` (rows are a pure function of (seed, row), so resuming at ``consumed_samples`` keeps rows
 aligned). The store is checked before step one: finished, K as expected, its seq_length a multiple of the
 student's (and, through ``check_kd_config``, its vocabulary inside the student's).
+
+With ``student_tokenizer`` (a tokenizer.json, or the student's HF tokenizer / checkpoint folder) of another identity
+than the store's tokenizer, every split is a ``CrossTokenizerDataset`` instead (issue #18): each cached sample is
+re-tokenised by the student and cut at a chunk boundary to ``seq_length``; the store must be a cross-tokenizer one
+(``cache --cross-tokenizer``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 import numpy as np
 
-from megatron_kd_plugin.bridge.dataset import TopKCacheDataset
+from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset, TopKCacheDataset
 from megatron_kd_plugin.cache import TopKCacheReader
 
 
@@ -48,6 +53,12 @@ class TopKCacheDatasetProvider(DatasetProvider):
     dataloader_type: str | None = "single"
     """Megatron sampler: ``single`` (sequential over rows, resumable by consumed samples) or ``cyclic``."""
 
+    student_tokenizer: str | None = None
+    """The student's tokenizer (a tokenizer.json, or a folder holding one: its HF tokenizer or checkpoint folder)
+    when it differs from the teacher's: the rows are then re-tokenised and aligned (cross-tokenizer distillation,
+    ``CrossTokenizerDataset``; seq_length need not divide the cache's). None, or the store's own tokenizer: the
+    teacher's tokens and top-K as they are."""
+
     def finalize(self) -> None:
         """Check the fields that need no store (Bridge calls this while validating the config)."""
         super().finalize()
@@ -57,16 +68,38 @@ class TopKCacheDatasetProvider(DatasetProvider):
             raise ValueError(f"dataset.k={self.k}: expected >= 1 or None")
         parse_and_normalize_split(self.split)
 
+    def student_table(self, reader: TopKCacheReader, vocab_size: int | None = None):
+        """The student tokenizer's ``TokenBytes`` when the rows are cross-tokenizer ones (``student_tokenizer`` of
+        another identity than the store's tokenizer), else None; ValueError for a missing tokenizer file, a student
+        tokenizer larger than ``vocab_size``, or a store without the cross-tokenizer arrays."""
+        if self.student_tokenizer is None:
+            return None
+        from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+        student = TokenBytes.load(self.student_tokenizer)
+        if student.identity == reader.spec.tokenizer:
+            return None
+        reader.vocab_table()                        # refuses a store without the arrays, naming the cache option
+        if vocab_size is not None and len(student.strings) > vocab_size:
+            raise ValueError(f"dataset.student_tokenizer={self.student_tokenizer} has {len(student.strings)} ids, more "
+                             f"than the student's vocab_size={vocab_size}")
+        return student
+
     def open_validated(self, *, vocab_size: int | None = None) -> TopKCacheReader:
         """Open the store and check it against this provider and the student's ``vocab_size`` (if given: every
-        teacher id must lie below it); ValueError if not. ``check_kd_config`` passes the model's."""
+        teacher id, or with a cross-tokenizer student every student id, must lie below it); ValueError if not.
+        ``check_kd_config`` passes the model's."""
         reader = TopKCacheReader(self.cache_path)   # refuses an unfinished store
-        reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=self.k)
+        if self.student_table(reader, vocab_size) is not None:
+            reader.validate(k=self.k)
+        else:
+            reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=self.k)
         return reader
 
     def build_datasets(self, context: DatasetBuildContext):
         """(train, valid, test) ``TopKCacheDataset``s with the sample counts Bridge asks for (None if 0)."""
         reader = self.open_validated()
+        student = self.student_table(reader)
         bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
         n = reader.spec.num_samples
         counts = (context.train_samples, context.valid_samples, context.test_samples)
@@ -78,6 +111,10 @@ class TopKCacheDatasetProvider(DatasetProvider):
             sample_ids = np.arange(int(round(bound[0] * n)), int(round(bound[1] * n)))
             if index and len(sample_ids) == 0:
                 datasets.append(None)   # an empty eval split: Bridge then skips evaluation
+                continue
+            if student is not None:
+                datasets.append(CrossTokenizerDataset(reader, sample_ids, student=student, seq_length=self.seq_length,
+                                                      num_rows=rows, seed=self.seed + index, shuffle=self.shuffle))
                 continue
             datasets.append(TopKCacheDataset(reader, sample_ids, seq_length=self.seq_length, num_rows=rows,
                                              seed=self.seed + index, shuffle=self.shuffle))

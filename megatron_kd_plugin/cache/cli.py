@@ -20,6 +20,10 @@ MTP). Every setting is checked before the teacher is built. Rerunning the same c
 ``--overwrite`` replaces a store written with other settings; the same command plus ``--repair`` checks every
 written shard and rewrites the damaged ones (byte-identical to a clean run).
 
+``--cross-tokenizer`` also stores each token's realised log-prob and the teacher tokenizer's byte table, so a
+student with its own tokenizer trains from the store (issue #18, ``cache/align.py``); JSONL data are checked to
+round-trip through the byte table first.
+
 ``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
 same draws at any TP/DP size and after a resume).
@@ -75,6 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--samples-per-shard", type=int, default=16, help="samples per shard (resume unit)")
     p.add_argument("--logprob-codec", default=fmt.DEFAULT_LOGPROB_CODEC, choices=sorted(fmt.LOGPROB_CODECS))
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
+    p.add_argument("--cross-tokenizer", action="store_true",
+                   help="also store what a student with another tokenizer needs: each token's realised log-prob and "
+                        "the teacher tokenizer's byte table (needs a tokenizer.json or a folder with one)")
     p.add_argument("--overwrite", action="store_true", help="replace a store written with other settings")
     p.add_argument("--repair", action="store_true", help="check every written shard of the store (written with "
                    "these settings) and rewrite the damaged ones")
@@ -229,6 +236,7 @@ def run(args) -> None:
                                  lockstep=args.ep > 1, micro_batch_size=args.micro_batch_size,
                                  seq_length=args.seq_length)
         dp_rank = parallel_state.get_data_parallel_rank()
+        vocab_table = cross_tokenizer_table(args, tokenizer, vocab_size) if args.cross_tokenizer else None
         stats = write_cache(
             source, teacher, args.output, k=args.slots, vocab_size=vocab_size,
             teacher=identity, temperature=args.temperature, logprob_codec=args.logprob_codec,
@@ -238,13 +246,32 @@ def run(args) -> None:
             sample_seed=args.sample_seed or 0, overwrite=args.overwrite, repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
-            progress=not args.no_progress, after_shards=teacher.finish)
+            progress=not args.no_progress, after_shards=teacher.finish, vocab_table=vocab_table)
         if teacher.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             report(args, source, stats)
     finally:
         parallel_state.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
+
+
+def cross_tokenizer_table(args, tokenizer: str | None, vocab_size: int):
+    """The teacher tokenizer's ``token_bytes.TokenBytes`` for ``--cross-tokenizer``, checked on the first JSONL
+    documents (ValueError if there is no tokenizer file, or it does not round-trip the text)."""
+    import itertools
+    import json
+
+    from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
+
+    if not tokenizer:
+        raise ValueError("--cross-tokenizer needs the teacher's tokenizer: pass --tokenizer (a tokenizer.json or a "
+                         "folder holding one)")
+    table = TokenBytes.load(tokenizer, vocab_size=vocab_size)
+    if args.data.endswith((".jsonl", ".json")):
+        with open(args.data, encoding="utf-8") as f:
+            texts = [json.loads(line)[args.text_key] for line in itertools.islice(f, 64) if line.strip()]
+        check_lossless(table, texts, what="the teacher tokenizer")
+    return table
 
 
 def report(args, source, stats) -> None:

@@ -7,6 +7,9 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
     teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
+    teacher_realised_logprob  (cross-tokenizer stores only, see below) log-prob codec [N, S] chunks [1, S] shards [P, S]  NaN
+    teacher_vocab_offsets     (cross-tokenizer stores only) int64 [V+1] one chunk                                        -1
+    teacher_vocab_bytes       (cross-tokenizer stores only) uint8 [vocab_bytes] one chunk                                 0
     chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below)         0
     shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)   0
     .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
@@ -42,6 +45,14 @@ ascending with duplicates kept (a repeat delta-codes to 0, so the multiplicity c
 smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` the teacher's l of each (same
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
+
+Cross-tokenizer stores (``vocab_bytes`` > 0, ``cache --cross-tokenizer``, issue #18) also hold what a student
+with another tokenizer needs (``megatron_kd_plugin.cache.align``): ``teacher_realised_logprob[i, t]`` = the
+teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K or not), in the log-prob codec; and
+the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``,
+o = ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and
+token t's byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only
+the realised log-prob is per token (~1.2 B/token in fp16-bitround7, docs/cache.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
@@ -95,7 +106,12 @@ READ_VERSIONS = (2, 3)
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
     "shard_done")
-ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE)
+REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES = (
+    "teacher_realised_logprob", "teacher_vocab_offsets", "teacher_vocab_bytes")
+ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES, RECORDS,
+          SHARD_DONE)
+VOCAB_TABLE = (VOCAB_OFFSETS, VOCAB_BYTES)
+"""The arrays stored once per store (one chunk each, not per sample)."""
 SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
@@ -153,6 +169,9 @@ class CacheSpec:
     """t of the sampled mode's proposal (1 in the top-K mode)."""
     sample_seed: int = 0
     """Seed of the sampled mode's uniforms, drawn per (seed, sample index) (0 in the top-K mode)."""
+    vocab_bytes: int = 0
+    """Cross-tokenizer arrays (``--cross-tokenizer``) when > 0: the length of the teacher vocabulary's byte table
+    ``teacher_vocab_bytes``; the store then also holds ``teacher_realised_logprob`` (0: neither)."""
 
     def __post_init__(self):
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
@@ -167,6 +186,8 @@ class CacheSpec:
                              "apply to the sampled mode only (mode='sampled')")
         if not self.proposal_temperature > 0:
             raise ValueError(f"proposal_temperature must be > 0, got {self.proposal_temperature}")
+        if self.vocab_bytes < 0:
+            raise ValueError(f"vocab_bytes must be >= 0, got {self.vocab_bytes}")
         if self.sample_seed < 0:
             raise ValueError(f"sample_seed must be >= 0, got {self.sample_seed}")
         if self.vocab_size > 2**31:
@@ -184,6 +205,11 @@ class CacheSpec:
     def stores_proposal_lognorm(self) -> bool:
         """A sampled store keeps G = logsumexp(l / t) per token only when t != 1 (else G = 0)."""
         return self.mode == "sampled" and self.proposal_temperature != 1.0
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        """Whether the store holds the arrays a student with another tokenizer needs (``vocab_bytes`` > 0)."""
+        return self.vocab_bytes > 0
 
     @property
     def num_shards(self) -> int:
@@ -329,6 +355,16 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VER
         group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                            compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
                            dimension_names=("sample", "position"))
+    if spec.cross_tokenizer:
+        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=codec.dtype,
+                           filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize),
+                                                                 Crc32cCodec()],
+                           fill_value=nan, dimension_names=("sample", "position"))
+        v = spec.vocab_size + 1
+        group.create_array(VOCAB_OFFSETS, shape=(v,), chunks=(v,), dtype="int64", fill_value=-1,
+                           compressors=[_blosc(8), Crc32cCodec()], dimension_names=("token_id",))
+        group.create_array(VOCAB_BYTES, shape=(spec.vocab_bytes,), chunks=(spec.vocab_bytes,), dtype="uint8",
+                           fill_value=0, compressors=[_blosc(1), Crc32cCodec()], dimension_names=("byte",))
     if version >= 3:                                     # every per-sample array above, whatever the spec adds
         with warnings.catch_warnings():                  # zarr names the lock file of a staging folder
             warnings.simplefilter("ignore", ZarrUserWarning)
@@ -418,7 +454,7 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     expected = _expected_documents(spec, version)
     implied = (f"k={spec.k}, seq_length={spec.seq_length}, num_samples={spec.num_samples}, "
                f"samples_per_shard={spec.samples_per_shard}, mode={spec.mode!r}, logprob_codec={spec.logprob_codec!r}"
-               f", store_logsumexp={spec.store_logsumexp}, version={version}")
+               f", store_logsumexp={spec.store_logsumexp}, vocab_bytes={spec.vocab_bytes}, version={version}")
     for name in sorted(expected.keys() | documents.keys()):
         if name not in documents or name not in expected:
             where = "is missing" if name not in documents else "should not exist"

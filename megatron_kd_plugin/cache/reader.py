@@ -4,6 +4,8 @@
 row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
 a sampled store (K = N draws) also carry ``teacher_sample_weights`` float32 ``[S, K]``, the importance weights
 w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``sample.sample_weights``.
+A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
+``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``).
 ``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
 cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store and one
 whose metadata do not match its attributes (``format.open_store``); ``validate`` checks the store against what
@@ -38,7 +40,8 @@ class TopKCacheReader:
                              "to complete it")
         self.group = group
         names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * self.spec.store_logsumexp + \
-            [fmt.PROPOSAL_LOGNORM] * self.spec.stores_proposal_lognorm
+            [fmt.PROPOSAL_LOGNORM] * self.spec.stores_proposal_lognorm + \
+            [fmt.REALISED_LOGPROB] * self.spec.cross_tokenizer
         self._samples = SampleReader(self.path, group, self.spec, names)
 
     def __len__(self) -> int:
@@ -68,9 +71,28 @@ class TopKCacheReader:
             raise IndexError(f"index {index} out of range for {size} entries")
         return index % size
 
-    def sample_arrays(self, sample: int) -> dict[str, np.ndarray]:
-        """The stored arrays of ``sample`` as numpy, in their on-disk dtypes (one chunk each)."""
-        return self._samples.read(sample)
+    def sample_arrays(self, sample: int, names=None) -> dict[str, np.ndarray]:
+        """The stored arrays of ``sample`` (``names``: only those) as numpy, in their on-disk dtypes (one chunk
+        each), checked."""
+        return self._samples.read(sample, names)
+
+    def vocab_table(self):
+        """The teacher tokenizer's byte table of a cross-tokenizer store (``token_bytes.TokenBytes``); ValueError
+        naming the cache option that writes it when the store lacks it, or when it is damaged."""
+        from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+        if not self.spec.cross_tokenizer:
+            raise ValueError(f"{self.path} holds no cross-tokenizer arrays (the teacher's realised log-probs and byte "
+                             "table): a student with another tokenizer needs a store written by "
+                             "`python -m megatron_kd_plugin cache ... --cross-tokenizer`")
+        offsets, table = self.group[fmt.VOCAB_OFFSETS], self.group[fmt.VOCAB_BYTES]
+        if offsets.nchunks_initialized != offsets.nchunks or table.nchunks_initialized != table.nchunks:
+            raise ValueError(f"{self.path}: the teacher's byte table ({fmt.VOCAB_OFFSETS}, {fmt.VOCAB_BYTES}) is not "
+                             "stored (the store is damaged; rewrite it with the same cache command plus --overwrite)")
+        offsets, table = offsets[:], table[:]
+        if offsets[0] != 0 or offsets[-1] != len(table) or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"{self.path}: the teacher's byte table offsets are damaged")
+        return TokenBytes.from_arrays(table, offsets, identity=self.spec.tokenizer)
 
     def _read(self, sample: int, begin: int, end: int) -> dict[str, torch.Tensor]:
         """Rows [begin, end) of ``sample`` (tokens: begin..end inclusive) as torch tensors."""
@@ -78,8 +100,9 @@ class TopKCacheReader:
         out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS][begin:end + 1].astype(np.int64)),
                fmt.IDS: torch.from_numpy(arrays[fmt.IDS][begin:end].astype(np.int64)),
                fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32))}
-        if fmt.LOGSUMEXP in arrays:
-            out[fmt.LOGSUMEXP] = torch.from_numpy(arrays[fmt.LOGSUMEXP][begin:end].copy())
+        for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB):
+            if name in arrays:
+                out[name] = torch.from_numpy(arrays[name][begin:end].astype(np.float32))
         if self.spec.mode == "sampled":
             lognorm = arrays.get(fmt.PROPOSAL_LOGNORM)
             out[fmt.SAMPLE_WEIGHTS] = sample_weights(

@@ -86,22 +86,23 @@ class SampleReader:
     def _described(attrs: dict) -> dict:
         return {key: value for key, value in attrs.items() if key not in ("complete", "progress")}
 
-    def read(self, sample: int) -> dict[str, np.ndarray]:
+    def read(self, sample: int, names=None) -> dict[str, np.ndarray]:
+        """Sample ``sample``'s chunks of ``names`` (default: every array this reader was opened for), checked."""
         try:
-            return self._read(sample)
+            return self._read(sample, names)
         except DamagedStoreError:
             for reader in self.readers.values():
                 reader.clear()
             self._records.clear()
         try:
-            return self._read(sample)
+            return self._read(sample, names)
         except DamagedStoreError as exc:
             self._refuse_if_replaced(exc)
             raise
 
-    def _read(self, sample: int) -> dict[str, np.ndarray]:
+    def _read(self, sample: int, names=None) -> dict[str, np.ndarray]:
         out, checksums = {}, {}
-        for name in self.names:
+        for name in self.names if names is None else [name for name in self.names if name in names]:
             reader = self.readers[name]
             values, checksums[name] = reader.read((sample,) + (0,) * (len(reader.chunk_shape) - 1))
             out[name] = values[0]

@@ -118,3 +118,21 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
         vals, idx = cand_vals.gather(-1, order), cand_idx.gather(-1, order)      # [s, b, K]
     finite = torch.isfinite(lse) & torch.isfinite(vals).all(dim=-1)              # [s, b]
     return TeacherTopK(ids=idx, logprobs=vals - lse.unsqueeze(-1), logsumexp=lse, finite=finite)
+
+
+def vocab_parallel_label_logprobs(logits: torch.Tensor, labels: torch.Tensor, logsumexp: torch.Tensor, *,
+                                  temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+    """float32 ``[s, b]``: z_y − LSE(z) of each token's label y (global ids ``[s, b]``), z = logits / τ_c.
+
+    The rank owning y's shard gathers z_y (the others 0); an all-reduce SUM gives it to every rank. ``logsumexp``
+    ``[s, b]`` is LSE(z) over the full vocab (``vocab_parallel_topk``'s).
+    """
+    vocab_local = logits.shape[-1]
+    start = 0 if group_size(tp_group) == 1 else dist.get_rank(tp_group) * vocab_local
+    local = labels.to(logits.device).long() - start
+    owned = (local >= 0) & (local < vocab_local)
+    picked = logits.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1).float() / temperature
+    picked = torch.where(owned, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+    if group_size(tp_group) > 1:
+        dist.all_reduce(picked, group=tp_group)
+    return picked - logsumexp.float()

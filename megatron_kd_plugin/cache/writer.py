@@ -41,7 +41,7 @@ from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
-from megatron_kd_plugin.cache.topk import vocab_parallel_topk
+from megatron_kd_plugin.cache.topk import vocab_parallel_label_logprobs, vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
@@ -202,27 +202,36 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
                          f"teacher's vocabulary [0, {vocab_size}): data tokenized for another vocabulary?")
 
 
-def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int,
-                 tp_group) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
+                 labels: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of logits ``[s, b, V/tp]``
-    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws."""
+    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws; and,
+    for a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
     if spec.mode == "sampled":
         s, b = logits.shape[:2]
         draw = vocab_parallel_sample(logits, sample_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
                                      temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
                                      tp_group=tp_group)
-        return {fmt.IDS: draw.ids, fmt.LOGPROBS: draw.logprobs, fmt.LOGSUMEXP: draw.logsumexp,
-                fmt.PROPOSAL_LOGNORM: draw.proposal_lognorm}, draw.finite
-    top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
-    ids, order = top.ids.sort(dim=-1)
-    return {fmt.IDS: ids, fmt.LOGPROBS: top.logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}, top.finite
+        rows = {fmt.IDS: draw.ids, fmt.LOGPROBS: draw.logprobs, fmt.LOGSUMEXP: draw.logsumexp,
+                fmt.PROPOSAL_LOGNORM: draw.proposal_lognorm}
+        finite = draw.finite
+    else:
+        top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
+        ids, order = top.ids.sort(dim=-1)
+        rows = {fmt.IDS: ids, fmt.LOGPROBS: top.logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}
+        finite = top.finite
+    if spec.cross_tokenizer:
+        rows[fmt.REALISED_LOGPROB] = vocab_parallel_label_logprobs(logits, labels, rows[fmt.LOGSUMEXP],
+                                                                   temperature=spec.temperature,
+                                                                   tp_group=tp_group)
+    return rows, finite
 
 
 def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec, *, first_sample: int,
                   micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row)."""
     names = [fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * spec.store_logsumexp + \
-        [fmt.PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm
+        [fmt.PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm + [fmt.REALISED_LOGPROB] * spec.cross_tokenizer
     out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     tokens = torch.from_numpy(windows)
     for start in range(0, len(windows), micro_batch_size):
@@ -234,7 +243,8 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         if logits is None:          # a pipeline stage before the last: it holds no logits and writes nothing
             stats.tokens += batch.numel()
             continue
-        rows, finite = teacher_rows(logits, spec, first_sample=first_sample + start, tp_group=tp_group)
+        rows, finite = teacher_rows(logits, spec, first_sample=first_sample + start, tp_group=tp_group,
+                                    labels=tokens[start:start + micro_batch_size, 1:].t())
         if not bool(finite.all()):
             position, row = (~finite).nonzero()[0].tolist()
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
@@ -245,7 +255,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
     if not out[fmt.IDS]:
         return {}
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
-              fmt.PROPOSAL_LOGNORM: np.float32}
+              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.logprob_dtype}
     return {fmt.TOKENS: windows.astype(np.int32)} | {name: torch.cat(values).numpy().astype(dtypes[name])
                                                       for name, values in out.items()}
 
@@ -289,9 +299,20 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
     group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
 
 
-def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool) -> WriterLock:
-    """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in)."""
-    return prepare_store(output, spec, overwrite, repair).shared()
+def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool,
+                    vocab_table=None) -> WriterLock:
+    """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in); a
+    cross-tokenizer store gets the teacher's byte table (``vocab_table``, a ``token_bytes.TokenBytes``) first."""
+    lock = prepare_store(output, spec, overwrite, repair)
+    if vocab_table is not None:
+        try:
+            group = zarr.open_group(output, mode="r+")
+            group[fmt.VOCAB_OFFSETS][:] = vocab_table.offsets
+            group[fmt.VOCAB_BYTES][:] = vocab_table.bytes
+        except BaseException:
+            lock.release()
+            raise
+    return lock.shared()
 
 
 def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
@@ -352,10 +373,13 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
                 overwrite: bool = False, repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
-                progress: bool = True, after_shards: Callable[[], None] | None = None) -> WriteStats:
+                progress: bool = True, after_shards: Callable[[], None] | None = None,
+                vocab_table=None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
+    ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
+    store: it also holds the byte table and each token's realised log-prob (``format.py``).
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
@@ -372,9 +396,13 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
-                         proposal_temperature=proposal_temperature, sample_seed=sample_seed)
+                         proposal_temperature=proposal_temperature, sample_seed=sample_seed,
+                         vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes))
     check_vocab(source, vocab_size)
-    lock = _agreed(_prepare_shared, output, spec, overwrite, repair)
+    if vocab_table is not None and len(vocab_table.offsets) != vocab_size + 1:
+        raise ValueError(f"the teacher tokenizer's byte table covers {len(vocab_table.offsets) - 1} ids, the teacher's "
+                         f"vocabulary {vocab_size}")
+    lock = _agreed(_prepare_shared, output, spec, overwrite, repair, vocab_table)
     lock = _agreed(_join_shared, output, lock, everywhere=True)
     try:
         stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,

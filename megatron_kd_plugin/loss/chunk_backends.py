@@ -45,7 +45,9 @@ class ChunkCoefs(NamedTuple):
         return ChunkCoefs(*(None if t is None else t[rows] for t in self))
 
     def scaled(self, scale: torch.Tensor) -> ChunkCoefs:
-        """Every coefficient times ``scale`` (the incoming gradient)."""
+        """Every coefficient times ``scale`` (the incoming gradient: a scalar, or [c] one per token)."""
+        if scale.dim():
+            return ChunkCoefs(*(None if t is None else t * scale.view(-1, *([1] * (t.dim() - 1))) for t in self))
         return ChunkCoefs(*(None if t is None else t * scale for t in self))
 
 

@@ -35,9 +35,10 @@ def _chunks(plan: LossPlan, num_tokens: int, device: torch.device):
 
 
 def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_grad: GradSink | None,
-                 keep_coefs: bool) -> tuple[torch.Tensor, SavedCoefs | None]:
+                 keep_coefs: bool, token_ce: torch.Tensor | None = None) -> tuple[torch.Tensor, SavedCoefs | None]:
     """Loss totals [kd_sum, ce_sum, student_mass_sum] (weighted, unscaled) and, if ``keep_coefs``, the coefficients
-    for ``backward_pass``. With ``on_grad`` each chunk's d loss_sum / d r goes to it during the pass."""
+    for ``backward_pass``. With ``on_grad`` each chunk's d loss_sum / d r goes to it during the pass; ``token_ce``
+    [T] receives each token's unweighted CE L1 - r_y (``TokenTerms.ce``)."""
     options = plan.options
     num_tokens, k = batch.local_ids.shape
     with_full = plan.with_labels and options.temperature != 1.0
@@ -61,6 +62,8 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
         terms: TokenTerms = token_terms(partials, batch.teacher.rows(rows), weight, options,
                                         None if batch.has_label is None else batch.has_label[rows])
         counted = weight != 0
+        if token_ce is not None:
+            token_ce[rows] = terms.ce
         totals += torch.stack([(weight * terms.kd).sum(), (weight * terms.ce).sum(),
                                torch.where(counted, terms.student_mass, terms.kd.new_zeros(())).sum()])
         if on_grad is not None or saved is not None:
@@ -78,9 +81,11 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
 
 def backward_pass(plan: LossPlan, batch: KDBatch, saved: SavedCoefs, grad_scale: torch.Tensor,
                   logits_chunk: LogitsChunk, on_grad: GradSink) -> None:
-    """Recompute each chunk's logits and hand grad_scale * d loss_sum / d r to ``on_grad``; no collectives."""
+    """Recompute each chunk's logits and hand grad_scale * d loss_sum / d r to ``on_grad``; no collectives.
+    ``grad_scale``: a scalar, or one per token [T] (each token's coefficients scaled by its own)."""
     backend = chunk_backend(plan, batch)
     for rows in _chunks(plan, batch.local_ids.shape[0], batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)
-        on_grad(rows, chunk.logits_grad_(saved.row_max[rows], saved.coefs.rows(rows).scaled(grad_scale)))
+        scale = grad_scale[rows] if grad_scale.dim() else grad_scale
+        on_grad(rows, chunk.logits_grad_(saved.row_max[rows], saved.coefs.rows(rows).scaled(scale)))
         del chunk

@@ -1,0 +1,117 @@
+"""A student row with its own tokenizer from a cached teacher sample: re-tokenise, align, cut (issue #18).
+
+A cached sample holds S + 1 teacher tokens and, for t = 0..S-1, the teacher's log-prob of token t + 1 given tokens
+0..t (``teacher_realised_logprob``). Its text X is the concatenation of the tokens' bytes (``token_bytes``); teacher
+token i ends at byte e_i = sum_{i' <= i} len(token i'). The window may start or end inside a UTF-8 character (it is
+cut from a token stream): the student reads X[u:w], the longest valid UTF-8 text after at most 3 leading
+continuation bytes. The student tokenises it into n tokens; student token j ends at byte b_j (offset u added).
+
+Chunks (the finest common segmentation): the common boundaries B = {e_i} ∩ {b_j}, sorted B_0 < B_1 < ...; chunk
+k >= 1 is the bytes (B_{k-1}, B_k]. A token (either side) with end e lies in chunk k(e) = the least k with B_k >= e.
+Chunk 0 holds token 0 of both sides, whose log-probs no model gives (nothing precedes them): it is not used, so
+every token of a used chunk has its log-prob on both sides. Per used chunk the teacher's log-likelihood is
+t_k = sum of teacher_realised_logprob[i - 1] over the teacher tokens i in it.
+
+Cut: the row holds at most seq_length + 1 student tokens. With more, it ends at the last boundary B_K whose student
+token j_K <= seq_length: tokens 0..j_K are kept, chunks 1..K used, nothing after B_K (never mid-chunk). Student
+tokens after the last common boundary (a window's ragged end) are dropped too. With no common boundary within
+reach the row holds the first seq_length + 1 tokens with no chunk (CE only).
+
+Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens - 1):
+    tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m,
+    chunk_ids [S_s] int64: k(b_{p+1}) - 1 for used chunks, else -1,
+    teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+CHUNK_IDS, CHUNK_LOGPROBS = "chunk_ids", "teacher_chunk_logprobs"
+
+
+def valid_text(text: bytes) -> tuple[int, str]:
+    """(u, the longest valid UTF-8 text starting at u): u skips at most 3 leading continuation bytes."""
+    u = 0
+    while u < min(3, len(text)) and 0x80 <= text[u] < 0xC0:
+        u += 1
+    try:
+        return u, text[u:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return u, text[u:u + exc.start].decode("utf-8")
+
+
+def student_ends(student: TokenBytes, ids: np.ndarray, text: str, where: str) -> np.ndarray:
+    """int64 [n] byte ends of ``ids`` within ``text``'s UTF-8; ValueError if they do not concatenate to it. A space
+    a SentencePiece-style tokenizer prepends to a piece (at the start, and after each special token) that the text
+    does not hold is dropped from that token."""
+    want = np.frombuffer(text.encode(), dtype=np.uint8)
+    got = student.concat(ids)
+    lengths = student.lengths[ids]
+    if len(got) != len(want) or not np.array_equal(got, want):
+        lengths, at = _drop_prefix_spaces(student, ids, want.tobytes())
+        if at is not None:
+            raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte "
+                             f"{at}: its tokens give {student.concat(ids).tobytes()[max(0, at - 12):at + 12]!r}, the "
+                             f"teacher's text {want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: "
+                             "the student tokenizer normalises or drops characters, or has no token for them)")
+    return np.cumsum(lengths)
+
+
+def _drop_prefix_spaces(student: TokenBytes, ids: np.ndarray, want: bytes) -> tuple[np.ndarray, int | None]:
+    """(token lengths with inserted leading spaces removed, None) or (-, the first byte of ``want`` no token
+    matches)."""
+    lengths, position = student.lengths[ids].copy(), 0
+    for j, token in enumerate(ids.tolist()):
+        piece = student.strings[token]
+        if want.startswith(piece, position):
+            position += len(piece)
+        elif piece[:1] == b" " and want.startswith(piece[1:], position):
+            lengths[j] -= 1
+            position += len(piece) - 1
+        else:
+            return lengths, position
+    return lengths, None if position == len(want) else position
+
+
+def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
+                        seq_length: int, *, where: str = "sample") -> dict[str, torch.Tensor]:
+    """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
+    ``realised_logprobs`` [S]; ``where`` names the sample in errors."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    teacher_ends = np.cumsum(teacher.lengths[tokens])                                  # [S + 1] e_i
+    u, chars = valid_text(teacher.concat(tokens).tobytes())
+    ids = np.asarray(student.encode(chars), dtype=np.int64)
+    ends = student_ends(student, ids, chars, where) + u                                # [n] b_j
+    is_teacher_end = np.zeros(int(teacher_ends[-1]) + 1 if len(tokens) else 1, dtype=bool)
+    is_teacher_end[teacher_ends] = True
+    common = ends[is_teacher_end[ends]]                                                # B, sorted
+    common = common[(common > u) & np.append(common[1:] != common[:-1], True)]         # unique
+    # the cut: the last boundary whose student token index is <= seq_length
+    token_at = np.searchsorted(ends, common, side="right") - 1                        # last student token ending at B_k
+    fits = np.flatnonzero(token_at <= seq_length)
+    last = int(fits[-1]) if fits.size else -1                                          # K
+    m = int(token_at[last]) if last >= 0 else min(len(ids) - 1, seq_length)
+    m = max(m, 0)
+    row_chunks = np.full(seq_length, -1, dtype=np.int64)
+    chunk_logprobs = np.zeros(seq_length, dtype=np.float64)
+    if last >= 1:
+        bounds = common[:last + 1]
+        student_k = np.searchsorted(bounds, ends[1:m + 1], side="left")                # chunk of tokens 1..m
+        row_chunks[:m] = np.where((student_k >= 1) & (student_k <= last), student_k - 1, -1)
+        teacher_k = np.searchsorted(bounds, teacher_ends[1:], side="left")              # chunk of teacher 1..S
+        used = (teacher_k >= 1) & (teacher_k <= last)
+        np.add.at(chunk_logprobs, teacher_k[used] - 1, np.asarray(realised_logprobs, dtype=np.float64)[used])
+    row_tokens = np.zeros(seq_length, dtype=np.int64)
+    labels = np.zeros(seq_length, dtype=np.int64)
+    kept = ids[:m + 1]
+    row_tokens[:m], labels[:m] = kept[:m], kept[1:m + 1]
+    loss_mask = np.zeros(seq_length, dtype=np.float32)
+    loss_mask[:m] = 1.0
+    return {"tokens": torch.from_numpy(row_tokens), "labels": torch.from_numpy(labels),
+            "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(seq_length, dtype=torch.long),
+            CHUNK_IDS: torch.from_numpy(row_chunks),
+            CHUNK_LOGPROBS: torch.from_numpy(chunk_logprobs.astype(np.float32))}

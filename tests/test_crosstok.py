@@ -1,0 +1,424 @@
+"""Cross-tokenizer distillation (issue #18) against float64 references written here: the store's new arrays, the
+chunk alignment of two real tokenizers trained in-test (byte-level BPE and Unigram, both directions), the ALM chunk
+loss and its gradients at TP=1 and TP=2 (one spawn), and the one-line refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, cross_tokenizer_row, student_ends, valid_text
+from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
+from megatron_kd_plugin.cache.writer import write_cache
+from megatron_kd_plugin.loss.cross_tokenizer import chunk_likelihood_loss
+from tests.distributed import run_on_ranks
+
+TEXTS = [
+    "The internationalization of tokenizers is a notoriously unglamorous problem. ",
+    "Schöne Grüße aus München: Straße, Fußgänger, Äpfel und Öl. ",
+    "日本語のテキストと絵文字 🦊🦊 が混ざった文章です。 ",
+    "Numbers 12345 + 678 = 13023; internationalization again, and again, and again. ",
+    "Déjà vu: naïve café owners résumé their façade. ",
+] * 6
+V_TEACHER = 420
+
+
+def train_bpe(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def train_unigram(vocab_size: int, lowercase: bool = False) -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=["<unk>"],
+                                                           unk_token="<unk>", max_piece_length=4))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizers_pair():
+    """(byte-level BPE with long merges, Unigram with short pieces) as TokenBytes."""
+    return (TokenBytes.from_tokenizer(train_bpe(V_TEACHER), identity="bpe"),
+            TokenBytes.from_tokenizer(train_unigram(300), identity="unigram"))
+
+
+# ---- float64 references -------------------------------------------------------------------------------------------
+
+def reference_chunks(teacher_lengths: list[int], student_lengths: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Two pointers over the byte lengths: a chunk closes whenever both sides have consumed the same bytes."""
+    chunks, i, j, tb, sb = [], 0, 0, 0, 0
+    current = ([], [])
+    while i < len(teacher_lengths) or j < len(student_lengths):
+        if j >= len(student_lengths) or (i < len(teacher_lengths) and tb <= sb):
+            tb += teacher_lengths[i]
+            current[0].append(i)
+            i += 1
+        else:
+            sb += student_lengths[j]
+            current[1].append(j)
+            j += 1
+        if tb == sb and current[0] and current[1]:
+            chunks.append(current)
+            current = ([], [])
+    return chunks
+
+
+def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, seq_length: int):
+    """(chunk of each label position [seq_length], teacher sum per chunk) from ``reference_chunks``."""
+    text = b"".join(teacher.strings[t] for t in tokens)
+    lead = 0
+    while lead < 3 and 0x80 <= text[lead] < 0xC0:
+        lead += 1
+    body = text[lead:]
+    for end in range(len(body), -1, -1):                  # the longest valid UTF-8 prefix
+        try:
+            chars = body[:end].decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            continue
+    ids = student.encode(chars)
+    lengths = [len(student.strings[i]) for i in ids]
+    if b"".join(student.strings[i] for i in ids) == b" " + chars.encode() and not chars.startswith(" "):
+        lengths[0] -= 1                                   # the SentencePiece dummy prefix
+    # the lead bytes as one pseudo student token (index -1): they join the first chunk, which is dropped
+    chunks = reference_chunks([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
+    chunks = [(t, [j - 1 for j in s]) for t, s in chunks]
+    positions = np.full(seq_length, -1)
+    sums = []
+    for t_ids, s_ids in chunks[1:]:
+        if max(s_ids) > seq_length:
+            break
+        for j in s_ids:
+            positions[j - 1] = len(sums)
+        sums.append(math.fsum(float(logprobs[i - 1]) for i in t_ids))
+    return positions, sums, ids
+
+
+def reference_loss(hidden, weight, *args, **kwargs):
+    """float64 dense ALM from hidden [s, b, H] and the full lm_head [V, H]."""
+    return reference_from_logits(hidden.double() @ weight.double().t(), *args, **kwargs)
+
+
+def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha):
+    """float64 dense ALM: full logits [s, b, V], per-chunk python loops, the binarised divergence written out."""
+    s, b, _ = logits.shape
+    logp = torch.log_softmax(logits.double(), -1)                                      # [s, b, V]
+    l = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (mask != 0)      # [s, b]
+    ce = -(mask.double() * l).sum()
+    chunk = logp.new_zeros(())
+    for col in range(b):
+        for c in sorted(set(chunk_ids[:, col].tolist()) - {-1}):
+            members = (chunk_ids[:, col] == c).nonzero().flatten()
+            if bool((mask[members, col] == 0).any()):
+                continue
+            lt = (teacher_chunks[c, col].double() / temperature).clamp(max=-1e-6)
+            ls = (l[members, col].sum() / temperature).clamp(max=-1e-6)
+            p, q = lt.exp(), ls.exp()
+            if divergence == "forward_kl":
+                d = p * (lt - ls) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+            else:
+                d = q * (ls - lt) + (1 - q) * (torch.log1p(-q) - torch.log1p(-p))
+            chunk = chunk + len(members) * d
+    return alpha * chunk + (1 - alpha) * ce
+
+
+# ---- tokenizers and alignment -------------------------------------------------------------------------------------
+
+def test_byte_tables_are_lossless_and_wordpiece_or_normalising_tokenizers_are_refused(tokenizers_pair):
+    for table in tokenizers_pair:
+        check_lossless(table, TEXTS[:5])
+    lowercase = TokenBytes.from_tokenizer(train_unigram(150, lowercase=True), identity="lower")
+    with pytest.raises(ValueError, match="not lossless on text 0"):
+        check_lossless(lowercase, TEXTS[:1])
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.train_from_iterator(TEXTS, trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"]))
+    with pytest.raises(ValueError, match="WordPiece"):
+        TokenBytes.from_tokenizer(wordpiece)
+
+
+@pytest.mark.parametrize("direction", ["bpe->unigram", "unigram->bpe"])
+def test_rows_match_the_two_pointer_reference_in_both_directions(tokenizers_pair, direction):
+    teacher, student = tokenizers_pair if direction == "bpe->unigram" else tokenizers_pair[::-1]
+    stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
+    rng = np.random.default_rng(0)
+    one_to_many = many_to_one = 0
+    for start in rng.integers(0, len(stream) - 41, 12).tolist() + [0]:   # arbitrary starts: mid-word, mid-char
+        tokens = stream[start:start + 41]
+        logprobs = -rng.random(40) * 5
+        for seq_length in (8, 64):
+            row = cross_tokenizer_row(tokens, logprobs, teacher, student, seq_length)
+            positions, sums, ids = reference_row(tokens.tolist(), logprobs, teacher, student, seq_length)
+            assert row[CHUNK_IDS].tolist() == positions.tolist()
+            np.testing.assert_allclose(row[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-6)
+            m = int(row["loss_mask"].sum())
+            assert row["tokens"][:m].tolist() == ids[:m] and row["labels"][:m].tolist() == ids[1:m + 1]
+            assert m <= seq_length and (positions[m:] == -1).all()
+        for t_ids, s_ids in reference_chunks([len(teacher.strings[t]) for t in tokens],
+                                             [len(student.strings[i]) for i in
+                                              student.encode(valid_text(b"".join(teacher.strings[t]
+                                                                                 for t in tokens))[1])]):
+            one_to_many += len(t_ids) == 1 and len(s_ids) > 1
+            many_to_one += len(t_ids) > 1 and len(s_ids) == 1
+    assert one_to_many and many_to_one                     # both shapes of chunk occur
+
+
+def test_a_window_starting_inside_a_multibyte_character_is_aligned_after_it(tokenizers_pair):
+    teacher, student = tokenizers_pair
+    ids = teacher.encode("日本語のテキスト")
+    split = next(i for i, t in enumerate(ids) if teacher.strings[t][:1] and 0x80 <= teacher.strings[t][0] < 0xC0)
+    tokens = np.asarray(ids[split:] + teacher.encode(" and again"))     # starts with a continuation byte
+    u, chars = valid_text(b"".join(teacher.strings[t] for t in tokens))
+    assert u >= 1 and not chars.startswith("日")
+    row = cross_tokenizer_row(tokens, -np.ones(len(tokens) - 1), teacher, student, 64)
+    positions, sums, _ = reference_row(tokens.tolist(), -np.ones(len(tokens) - 1), teacher, student, 64)
+    assert row[CHUNK_IDS].tolist() == positions.tolist() and len(sums) >= 2
+
+
+def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped():
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+                                                           unk_token="<unk>"))
+    student = TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+    text = "and again<|endoftext|>Numbers again"
+    ids = np.asarray(student.encode(text))
+    assert student.concat(ids).tobytes() != text.encode()       # the tokenizer inserts "▁" after the special token
+    ends = student_ends(student, ids, text, "test")
+    assert ends[-1] == len(text.encode())
+    pieces = [text.encode()[a:b] for a, b in zip(np.r_[0, ends[:-1]], ends)]
+    assert b"".join(pieces) == text.encode() and b"<|endoftext|>" in pieces      # the inserted "▁" became b""
+    with pytest.raises(ValueError, match="disagree at byte 9"):
+        student_ends(student, ids, "and againX|endoftext|>Numbers again", "test")
+
+
+# ---- store and dataset --------------------------------------------------------------------------------------------
+
+def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, tokenizers_pair):
+    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
+
+    teacher, student = tokenizers_pair
+    stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
+    seq, n = 24, 8
+    table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
+    source = TokenWindows(stream, seq, num_samples=n, fingerprint="xtok", tokenizer="bpe",
+                          tokenizer_vocab_size=V_TEACHER)
+    path = tmp_path / "cache.zarr"
+    write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+                teacher="table", samples_per_shard=4, logprob_codec="fp32", progress=False,
+                vocab_table=TokenBytes.from_tokenizer(teacher.tokenizer, vocab_size=V_TEACHER))
+    reader = TopKCacheReader(path)
+    assert reader.vocab_table().strings == teacher.strings
+    logp = torch.log_softmax(table.double(), -1)
+    for i in range(n):
+        row = reader[i]
+        tokens = row["tokens"]
+        expected = logp[tokens[:-1], tokens[1:]]                          # the realised token, in the top-K or not
+        torch.testing.assert_close(row["teacher_realised_logprob"].double(), expected, rtol=0, atol=1e-5)
+    data = CrossTokenizerDataset(reader, np.arange(n), student=student, seq_length=16, num_rows=n, seed=0,
+                                 shuffle=False)
+    for i in range(n):
+        item, cached = data[i], reader[i]
+        positions, sums, _ = reference_row(cached["tokens"].tolist(), cached["teacher_realised_logprob"].numpy(),
+                                           teacher, student, 16)
+        assert item[CHUNK_IDS].tolist() == positions.tolist()
+        np.testing.assert_allclose(item[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-5)
+
+
+# ---- the loss -----------------------------------------------------------------------------------------------------
+
+def loss_inputs(seed=0, s=11, b=3, h=7, v=30):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / 2
+    labels = torch.randint(0, v, (s, b), generator=g)
+    chunk_ids = torch.full((s, b), -1)
+    for col in range(b):                                   # chunks of 1..3 tokens, some tokens in none
+        c, t = 0, 1 + col % 2
+        while t < s:
+            size = int(torch.randint(1, 4, (), generator=g))
+            chunk_ids[t:t + size, col] = c
+            c, t = c + 1, t + size
+    teacher = -torch.rand(s, b, generator=g, dtype=torch.float64) * 4
+    mask = torch.ones(s, b)
+    mask[-2:, 0] = 0                                       # a padded tail: its chunk drops out
+    return hidden, weight, labels, chunk_ids, teacher, mask
+
+
+CASES = [dict(divergence="forward_kl", temperature=1.0, alpha=1.0), dict(divergence="reverse_kl", temperature=2.0,
+                                                                          alpha=0.7)]
+
+
+def _loss_and_grads(hidden, weight, labels, chunk_ids, teacher, mask, case, **kwargs):
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    result = chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, loss_mask=mask, chunk_bytes=4 * 30 * 8,
+                                   **case, **kwargs)
+    result.loss_sum.backward()
+    return result, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_equal_the_float64_reference(case):
+    inputs = loss_inputs()
+    result, d_hidden, d_weight = _loss_and_grads(*inputs, case)
+    hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
+    expected = reference_loss(hidden, weight, *inputs[2:], **case)
+    expected.backward()
+    torch.testing.assert_close(result.loss_sum, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(d_hidden, hidden.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(d_weight, weight.grad, rtol=1e-9, atol=1e-12)
+    assert int(result.num_tokens) == int((inputs[5] != 0).sum())
+
+
+def _tp_body(case_list):
+    from megatron.core import parallel_state
+
+    from megatron_kd_plugin.cache.topk import combine_logsumexp, vocab_parallel_label_logprobs
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    out = []
+    for case in case_list:
+        hidden, weight, *rest = loss_inputs()
+        shard = weight[rank * 15:(rank + 1) * 15]            # V = 30: two shards of 15
+        result, d_hidden, d_weight = _loss_and_grads(hidden, shard, *rest, case, tp_group=group)
+        out.append((result.loss_sum.detach(), d_hidden, d_weight))
+    logits = torch.randn(5, 2, 30, generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, 30, (5, 2), generator=torch.Generator().manual_seed(4))
+    local = logits[..., rank * 15:(rank + 1) * 15]
+    lse = combine_logsumexp(torch.logsumexp(local, -1), group)
+    return out, vocab_parallel_label_logprobs(local, labels, lse, tp_group=group)
+
+
+def test_tp2_equals_the_reference_loss_gradients_and_realised_logprobs():
+    ranks = run_on_ranks(2, _tp_body, CASES, tp=2)
+    logits = torch.randn(5, 2, 30, generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, 30, (5, 2), generator=torch.Generator().manual_seed(4))
+    expected_lp = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    for case_index, case in enumerate(CASES):
+        inputs = loss_inputs()
+        hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
+        expected = reference_loss(hidden, weight, *inputs[2:], **case)
+        expected.backward()
+        for rank, (results, _) in enumerate(ranks):
+            loss, d_hidden, d_weight = results[case_index]
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(d_hidden, hidden.grad, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(d_weight, weight.grad[rank * 15:(rank + 1) * 15], rtol=1e-9, atol=1e-12)
+    for _, realised in ranks:
+        torch.testing.assert_close(realised.double(), expected_lp, rtol=0, atol=1e-5)
+
+
+# ---- the Bridge path: provider, forward step, CPU loop at TP=1 and TP=2 --------------------------------------------
+
+BRIDGE_SEQ, BRIDGE_STEPS = 40, 3
+
+
+def bridge_overrides(store, student_file, *extra):
+    return [f"dataset.cache_path={store}", f"dataset.student_tokenizer={student_file}", f"model.vocab_size={V_TEACHER}",
+            f"model.seq_length={BRIDGE_SEQ}", f"dataset.seq_length={BRIDGE_SEQ}", f"train.train_iters={BRIDGE_STEPS}",
+            *extra]
+
+
+def _bridge_tp1_body(folder):
+    """Write the cross-tokenizer store; the forward step's loss vs the float64 reference on the model's logits;
+    the refusals; three training steps."""
+    from unittest import mock
+
+    from megatron.bridge.training.state import GlobalState
+
+    import megatron_kd_plugin.bridge.config as kd_config
+    from megatron_kd_plugin.bridge.config import check_kd_config
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.cpu_compat import seed_model_parallel
+    from megatron.bridge.data.base import DatasetBuildContext
+
+    teacher = Tokenizer.from_file(str(folder / "teacher.json"))
+    stream = np.asarray(sum((teacher.encode(t).ids for t in TEXTS), []))
+    source = TokenWindows(stream, 24, num_samples=16, fingerprint="xtok-bridge", tokenizer="bpe",
+                          tokenizer_vocab_size=V_TEACHER)
+    table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
+    store, plain = folder / "xtok.zarr", folder / "plain.zarr"
+    for path, vocab_table in ((store, TokenBytes.from_tokenizer(teacher, vocab_size=V_TEACHER)), (plain, None)):
+        write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+                    teacher="table", samples_per_shard=4, progress=False, vocab_table=vocab_table)
+    recipe = "tiny_gpt_xtok_kd_cpu_fp32_config"
+    cfg = build_config(recipe, bridge_overrides(store, folder / "student.json"))
+    cfg.model.finalize()
+    check_kd_config(cfg)
+    seed_model_parallel(cfg.rng.seed)
+    model = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+    data = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=2, valid_samples=0, test_samples=0))[0]
+    batch = {key: torch.stack([data[i][key] for i in range(2)]) for key in data[0]}
+    state = GlobalState()
+    state.cfg = cfg
+    with torch.no_grad():
+        output, loss_func = kd_forward_step(state, iter([batch]), model)
+        loss_sum, num_tokens, report = loss_func(output)
+        positions = torch.arange(BRIDGE_SEQ).expand(2, BRIDGE_SEQ)
+        mask = torch.ones(BRIDGE_SEQ, BRIDGE_SEQ, dtype=torch.bool).triu(1).view(1, 1, BRIDGE_SEQ, BRIDGE_SEQ)
+        logits = model(batch["tokens"], positions, mask).transpose(0, 1)                        # [s, b, V]
+    expected = reference_from_logits(logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(),
+                                     batch["loss_mask"].t(), divergence="forward_kl", temperature=1.0,
+                                     alpha=cfg.kd.alpha)
+    refusals = {}
+    for name, overrides in (("plain store", bridge_overrides(plain, folder / "student.json")),
+                            ("no tokenizer", bridge_overrides(store, folder / "missing")),
+                            ("context parallel", bridge_overrides(store, folder / "student.json",
+                                                                  "model.context_parallel_size=2"))):
+        try:
+            wrong = build_config(recipe, overrides)
+            wrong.model.finalize()
+            with mock.patch.object(kd_config, "get_world_size_safe", lambda: 2):   # CP=2 fits a world of 2
+                check_kd_config(wrong)
+            refusals[name] = "accepted"
+        except ValueError as exc:
+            refusals[name] = str(exc)
+    _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json")), progress=False)
+    return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
+                mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history)
+
+
+def _bridge_tp2_body(folder):
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.train_cli import build_config
+
+    cfg = build_config("tiny_gpt_xtok_kd_cpu_fp32_config",
+                       bridge_overrides(folder / "xtok.zarr", folder / "student.json",
+                                        "model.tensor_model_parallel_size=2"))
+    return train_on_cpu(cfg, progress=False)[1]
+
+
+def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
+    train_bpe(V_TEACHER).save(str(tmp_path / "teacher.json"))
+    train_unigram(300).save(str(tmp_path / "student.json"))
+    tp1 = run_on_ranks(1, _bridge_tp1_body, tmp_path, timeout=600)[0]
+    assert tp1["tokens"] == tp1["mask"] > 0
+    assert math.isclose(tp1["loss"], tp1["expected"], rel_tol=1e-5), tp1
+    assert tp1["report"] == ["chunk gap", "chunk loss", "chunks", "lm loss"]
+    assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
+    assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
+    assert "chunks would be split across CP ranks" in tp1["refusals"]["context parallel"]
+    tp2 = run_on_ranks(2, _bridge_tp2_body, tmp_path, timeout=600)
+    assert len(tp1["history"]) == BRIDGE_STEPS
+    for rank_history in tp2:
+        for a, b in zip(tp1["history"], rank_history):
+            for key in ("loss", "chunk loss", "lm loss", "grad norm"):
+                assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
