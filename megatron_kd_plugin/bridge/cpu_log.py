@@ -1,6 +1,6 @@
 """What the CPU loop (``cpu_train``) shows of a run while it runs, as Bridge's training loop shows it.
 
-    log = StepLog(state, start_step=resumed_step, tokens_per_step=global_batch * seq_length)
+    log = StepLog(state, start_step=resumed_step, tokens_per_step=global_batch * seq_length, print_lines=True)
     log.step(row, seconds)    # row = {"step", "loss", "lr", "grad norm", "kd loss", ["lm loss"]}
     log.close()
 
@@ -22,7 +22,6 @@ import json
 import pathlib
 
 import torch.distributed as dist
-from tqdm import tqdm
 
 HISTORY_FILE = "history.jsonl"
 TENSORBOARD_TAGS = {"lr": "learning-rate", "grad norm": "grad-norm"}
@@ -40,13 +39,14 @@ def read_history(folder) -> list[dict]:
 class StepLog:
     """Log lines, TensorBoard events and the on-disk history of one CPU run (see the module docstring)."""
 
-    def __init__(self, state, *, start_step: int, tokens_per_step: int):
+    def __init__(self, state, *, start_step: int, tokens_per_step: int, print_lines: bool = True):
         cfg = state.cfg
         self.interval = max(1, cfg.logger.log_interval or 1)
         self.total = cfg.train.train_iters
         self.global_batch = cfg.train.global_batch_size
         self.tokens_per_step = tokens_per_step
         self.rank0 = dist.get_rank() == 0
+        self.print_lines = print_lines and self.rank0
         self.writer = state.tensorboard_logger            # Bridge's SummaryWriter, or None
         self.file = None
         self.pending_seconds, self.pending_steps = 0.0, 0
@@ -77,12 +77,12 @@ class StepLog:
         self.pending_seconds, self.pending_steps = 0.0, 0
         if self.writer is not None:
             self.writer.flush()
-        if self.rank0:
+        if self.print_lines:
             fields = [f"iteration {done:>6}/{self.total:>6}", f"consumed samples: {done * self.global_batch}",
                       f"tokens/s: {tokens_per_s:,.0f}", f"learning rate: {row['lr']:.3e}", f"loss: {row['loss']:.6g}"]
             fields += [f"{key}: {row[key]:.6g}" for key in ("kd loss", "lm loss") if key in row]
             fields.append(f"grad norm: {row['grad norm']:.4g}")
-            tqdm.write(" | ".join(fields))   # above the loop's progress bar, if any
+            print(" | ".join(fields), flush=True)
 
     def close(self) -> None:
         if self.file is not None:

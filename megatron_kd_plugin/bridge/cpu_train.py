@@ -37,7 +37,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import get_model_config
-from tqdm import tqdm
 
 from megatron_kd_plugin.bridge.cpu_checkpoint import load_checkpoint, save_checkpoint
 from megatron_kd_plugin.bridge.cpu_log import StepLog
@@ -106,7 +105,7 @@ def _clip_grad_norm(params, max_norm: float) -> float:
 
 def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = True):
     """Train ``cfg`` (a KD recipe) up to ``cfg.train.train_iters`` steps on CPU; returns (model chunks, history of
-    the steps run here: a resumed run starts at its checkpoint's step).
+    the steps run here: a resumed run starts at its checkpoint's step). ``progress``: print the log lines.
 
     Raises ValueError before step one on anything the run cannot do (bad store, mismatched sizes, PP > 1, CUDA
     present: use Bridge's ``pretrain()`` there).
@@ -151,8 +150,9 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     step_func = lambda data_iterator, model: forward_step_func(state, data_iterator, model)  # noqa: E731
     history = []
     steps = range(state.train_state.step, cfg.train.train_iters)
-    log = StepLog(state, start_step=steps.start, tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length)
-    for step in tqdm(steps, desc="KD on CPU", disable=not progress or dist.get_rank() != 0):
+    log = StepLog(state, start_step=steps.start, tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length,
+                  print_lines=progress)
+    for step in steps:
         started = time.perf_counter()
         for param in params:
             param.grad = None

@@ -1,7 +1,10 @@
-"""The main job: distil a small GPT teacher into a smaller student through the offline top-K cache, end to end.
+"""The from-scratch comparison (the first demo, kept for ``tools/bench_quality.py`` and its published numbers): a
+small megatron-core GPT teacher distilled through the offline top-K cache into a *randomly initialised* smaller
+student, against the same student trained with hard labels only. The main demo heals a compressed Hugging Face
+model instead (``megatron_kd_plugin.demo.pipeline``).
 
-    python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite]
-                                      [--corpus FOLDER_OR_JSONL [--text-key text]]
+    python -m megatron_kd_plugin demo --from-scratch [--output outputs/demo_scratch] [--preset default|small|mini]
+                                      [--overwrite] [--corpus FOLDER_OR_JSONL [--text-key text]]
 
 Stages (all on CPU; everything lands under one output folder):
 
@@ -210,7 +213,8 @@ def student_overrides(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run
             f"optimizer.lr={cfg.student_lr}",   # the recipe keeps it constant after the warm-up
             f"scheduler.lr_warmup_iters={min(10, cfg.student_steps // 2)}",
             f"kd.alpha={alpha}", f"rng.seed={cfg.seed}",
-            f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"checkpoint.save={run_dir / 'checkpoints'}"]
+            f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"logger.log_interval={max(1, cfg.student_steps // 10)}",
+            f"checkpoint.save={run_dir / 'checkpoints'}"]
 
 
 def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *, alpha: float):
@@ -223,8 +227,23 @@ def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir
     return models[0], history
 
 
+def draw_curves(ax, title: str, curves: dict[str, list[float]]) -> None:
+    """One panel of {line: values per step}: raw values faint, a moving average solid."""
+    for name, values in curves.items():
+        y = torch.tensor(values, dtype=torch.float64)
+        window = max(1, min(10, len(y) // 5))
+        smooth = torch.nn.functional.avg_pool1d(y[None, None], window, stride=1).flatten()
+        (raw,) = ax.plot(range(len(y)), y.numpy(), alpha=0.25)
+        ax.plot(range(window - 1, len(y)), smooth.numpy(), label=name, color=raw.get_color())
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats/token")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
 def plot_curves(panels: dict[str, dict[str, list[float]]], path: pathlib.Path) -> None:
-    """Training-loss curves, one panel per {title: {line: values}}: raw values faint, a moving average solid."""
+    """Training-loss curves, one panel per {title: {line: values}}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,17 +251,7 @@ def plot_curves(panels: dict[str, dict[str, list[float]]], path: pathlib.Path) -
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
     for ax, (title, curves) in zip(axes[0], panels.items()):
-        for name, values in curves.items():
-            y = torch.tensor(values, dtype=torch.float64)
-            window = max(1, min(10, len(y) // 5))
-            smooth = torch.nn.functional.avg_pool1d(y[None, None], window, stride=1).flatten()
-            (raw,) = ax.plot(range(len(y)), y.numpy(), alpha=0.25)
-            ax.plot(range(window - 1, len(y)), smooth.numpy(), label=name, color=raw.get_color())
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats/token")
-        ax.set_title(title)
-        ax.legend()
-        ax.grid(alpha=0.3)
+        draw_curves(ax, title, curves)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -307,9 +316,9 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) 
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo --from-scratch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
+    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo_scratch"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")

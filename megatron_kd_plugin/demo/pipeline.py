@@ -1,0 +1,399 @@
+"""The main job: heal a compressed Hugging Face model from a cached Hugging Face teacher, end to end, on CPU.
+
+    python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite] [--seed N]
+                                      [--corpus FOLDER_OR_JSONL [--text-key text]]
+    python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
+
+Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
+user runs them, and are written to ``commands.sh``):
+
+1. data      the running interpreter's stdlib sources, or ``--corpus`` a folder of text files / a JSONL file,
+             split by whole document; a BPE tokenizer trained on the train split; Megatron indexed datasets
+             (``data/``, ``megatron_kd_plugin.demo.data``);
+2. teacher   a Qwen3 (transformers: random init, cross entropy on the train split, ``save_pretrained``) with the
+             tokenizer beside it (``teacher/``);
+3. compress  the teacher pruned in depth and width (``megatron_kd_plugin.demo.hf.compress``): the student to
+             heal, a HF folder (``student_pruned/``);
+4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 ...``: the teacher's
+             top-K over the samples the students will read (``cache.zarr``);
+5. plan      ``python -m megatron_kd_plugin plan`` with the heal's own arguments (``plan.txt``);
+6. heal      ``python -m megatron_kd_plugin train --recipe hf_student_kd_cpu_fp32_config --hf-path student_pruned/``
+             twice from the same pruned weights, tokens, steps, schedule and seed: ``heal_kd/`` with the cache's
+             KD loss, ``heal_ce/`` with hard labels only (``kd.alpha=0``); each checkpoint also holds the healed
+             student as a HF folder, copied to ``healed_kd/`` / ``healed_ce/``;
+7. eval      every model (teacher, pruned, KD-healed, CE-healed) loaded by transformers from its folder: held-out
+             perplexity, KL(teacher ‖ model) over the full vocabulary and ECE, with the unigram baseline
+             (``metrics.json``, ``results.md``, ``results.png``).
+
+The folder must not exist (or be empty) unless ``--overwrite`` is given; a corpus that cannot make the data is
+refused before the folder is touched. The same seed gives the same numbers on the same machine and package set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows, tokenize_corpus
+from megatron_kd_plugin.demo.hf import Qwen3Shape
+from megatron_kd_plugin.demo.scratch import check_output, prepare_output
+
+HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
+MODELS = ("teacher", "pruned", "healed KD", "healed CE")
+"""The evaluated models, in table order (``pruned``: the compressed student before healing)."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class HealConfig:
+    """Everything the demo does; ``PRESETS`` holds the tested sizes."""
+
+    seed: int = 1234
+    """Seed of every random choice (initialisation, batch order)."""
+    corpus: CorpusConfig = CorpusConfig()
+    """The text (the stdlib sources unless ``corpus.source``), its splits and its tokenizer."""
+    seq_length: int = 256
+    """Tokens per sample: teacher, cache, heal, eval."""
+    teacher: Qwen3Shape = Qwen3Shape(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=1024)
+    """The teacher's shape."""
+    teacher_steps: int = 500
+    """Teacher optimizer steps."""
+    teacher_lr: float = 3e-3
+    """Teacher peak learning rate (AdamW, warm-up then cosine)."""
+    micro_batch_size: int = 8
+    """Samples per step, teacher and heals."""
+    keep_layers: tuple[int, ...] = (0, 3)
+    """The teacher's layers the student keeps (depth pruning)."""
+    mlp_keep: float = 0.5
+    """Share of each kept MLP's channels the student keeps (width pruning, by activation)."""
+    calibration_samples: int = 16
+    """Train samples whose activations rank the MLP channels."""
+    heal_steps: int = 100
+    """Optimizer steps of each heal (the budget KD and CE share)."""
+    heal_lr: float = 1e-3
+    """Heals' peak learning rate (the recipe's: 10 % warm-up, then cosine to a tenth)."""
+    topk: int = 100
+    """Teacher top-K cached per token."""
+    kd_alpha: float = 0.5
+    """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0)."""
+    cache_tp: int = 2
+    """Tensor-parallel size (= processes) of the caching run."""
+    eval_samples: int = 64
+    """Held-out samples evaluated (each ``seq_length`` tokens)."""
+
+    def __post_init__(self):
+        for name in ("seq_length", "teacher_steps", "heal_steps", "micro_batch_size", "topk", "cache_tp",
+                     "eval_samples", "calibration_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HealConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.kd_alpha <= 1:
+            raise ValueError(f"HealConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
+
+    @property
+    def cache_samples(self) -> int:
+        """Samples the heals consume: one epoch of cached samples, nothing cached in vain."""
+        return self.heal_steps * self.micro_batch_size
+
+    def corpus_needs(self) -> dict[str, tuple[int, str]]:
+        """Tokens each split must hold, and why (windows overlap by one token)."""
+        return {"train": (self.cache_samples * self.seq_length + 1,
+                          f"{self.cache_samples:,} cached samples = {self.heal_steps} heal steps x "
+                          f"{self.micro_batch_size} per batch, of {self.seq_length} tokens, + 1; or lower "
+                          "--heal-steps"),
+                "heldout": (self.eval_samples * self.seq_length + 1,
+                            f"{self.eval_samples} eval samples of {self.seq_length} tokens + 1; the held-out "
+                            f"split takes one document in {self.corpus.heldout_every}")}
+
+
+PRESETS = {
+    "default": HealConfig(),
+    # seconds, for tests: same stages and commands, toy sizes
+    "mini": HealConfig(
+        corpus=CorpusConfig(vocab_size=512, train_bytes=150_000, heldout_bytes=30_000),
+        seq_length=32,
+        teacher=Qwen3Shape(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128),
+        teacher_steps=40, keep_layers=(1,), mlp_keep=0.5, calibration_samples=4, heal_steps=8, micro_batch_size=4,
+        topk=16, eval_samples=4),
+}
+
+
+def run_command(command: list[str], log: pathlib.Path, commands: pathlib.Path, *, threads: int | None = None,
+                ) -> None:
+    """Run one of the package's commands as a user would (``python -m megatron_kd_plugin ...``), its output shown
+    and kept in ``log``, the command appended to ``commands``; CalledProcessError when it fails."""
+    from megatron_kd_plugin.demo.train import free_port
+
+    shown = " ".join(shlex.quote(part) for part in ["python", *command[1:]])
+    print(f"[demo] {shown}", flush=True)
+    with commands.open("a") as f:
+        f.write(shown + "\n")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS=str(threads or os.cpu_count() or 1))
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            out.write(line)
+            sys.stdout.write("    " + line)
+        if process.wait():
+            sys.stdout.flush()
+            raise subprocess.CalledProcessError(process.returncode, shown)
+
+
+def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
+    """The Qwen3 teacher trained with cross entropy on the train split (this process), saved with its tokenizer."""
+    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo.train import TrainConfig, hf_ce_step, micro_batches, train
+
+    model = hf.new_teacher(cfg.teacher, corpus.vocab_size, cfg.seq_length, corpus.eod_id, cfg.seed)
+    samples = token_windows(corpus.train_prefix, cfg.seq_length)
+    train_cfg = TrainConfig(steps=cfg.teacher_steps, micro_batch_size=cfg.micro_batch_size, lr=cfg.teacher_lr)
+    history = train(model, hf_ce_step(model, samples, micro_batches(samples, cfg.micro_batch_size, cfg.seed)),
+                    train_cfg, desc="teacher (CE)")
+    model.eval().save_pretrained(folder)
+    hf.save_tokenizer(corpus.tokenizer_path, folder)
+    return history
+
+
+def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, folder: pathlib.Path) -> dict:
+    """The pruned student (``hf.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
+    from megatron_kd_plugin.demo import hf
+
+    teacher = hf.load(teacher_folder)
+    calibration = token_windows(corpus.train_prefix, cfg.seq_length)[-cfg.calibration_samples:, :-1]
+    student = hf.compress(teacher, cfg.keep_layers, cfg.mlp_keep, calibration)
+    student.save_pretrained(folder)
+    hf.save_tokenizer(corpus.tokenizer_path, folder)
+    return {"teacher": hf.parameter_count(teacher), "student": hf.parameter_count(student)}
+
+
+def package_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_kd_plugin", *args]
+
+
+def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
+            "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
+            "--output", str(store), "--seq-length", str(cfg.seq_length), "--topk", str(cfg.topk),
+            "--tp", str(cfg.cache_tp), "--num-samples", str(cfg.cache_samples),
+            "--micro-batch-size", str(cfg.micro_batch_size), "--no-progress"]
+
+
+def heal_arguments(cfg: HealConfig, student: pathlib.Path, store: pathlib.Path, run_dir: pathlib.Path, *,
+                   alpha: float) -> list[str]:
+    """``--recipe ... --hf-path ... --seq-length ...`` and the overrides of one heal (``alpha=0``: CE only)."""
+    return ["--recipe", HEAL_RECIPE, "--hf-path", str(student), "--seq-length", str(cfg.seq_length),
+            f"dataset.cache_path={store}", f"dataset.seed={cfg.seed}", f"rng.seed={cfg.seed}",
+            f"train.train_iters={cfg.heal_steps}", f"train.global_batch_size={cfg.micro_batch_size}",
+            f"train.micro_batch_size={cfg.micro_batch_size}", f"optimizer.lr={cfg.heal_lr}",
+            f"optimizer.min_lr={cfg.heal_lr / 10}", f"scheduler.lr_warmup_iters={max(1, cfg.heal_steps // 10)}",
+            f"kd.alpha={alpha}", f"checkpoint.save={run_dir / 'checkpoints'}",
+            f"checkpoint.load={run_dir / 'checkpoints'}", f"checkpoint.save_interval={cfg.heal_steps}",
+            f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"logger.log_interval={max(1, cfg.heal_steps // 10)}"]
+
+
+def exported_student(run_dir: pathlib.Path, steps: int) -> pathlib.Path:
+    """The HF folder the heal's last checkpoint holds (Bridge's ``iter_NNNNNNN/hf``)."""
+    folder = run_dir / "checkpoints" / f"iter_{steps:07d}" / "hf"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: the heal exported no HF student there")
+    return folder
+
+
+@torch.no_grad()
+def evaluate_folders(cfg: HealConfig, corpus, folders: dict[str, pathlib.Path]) -> dict:
+    """Every model loaded by transformers from its folder, evaluated against the teacher on held-out text, plus the
+    unigram baseline of the train split."""
+    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo.metrics import evaluate, hf_logits, unigram_perplexity
+
+    heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
+    models = {name: hf.load(folder) for name, folder in folders.items()}
+    teacher = models.pop("teacher")
+    metrics = evaluate(models, teacher, heldout, micro_batch_size=cfg.micro_batch_size, logits_fn=hf_logits)
+    train_tokens = token_windows(corpus.train_prefix, cfg.seq_length).flatten()
+    metrics["unigram"] = {"perplexity": unigram_perplexity(train_tokens, heldout[:, 1:], corpus.vocab_size)}
+    return metrics
+
+
+def plot_results(metrics: dict, histories: dict[str, list[dict]], path: pathlib.Path) -> None:
+    """Three panels: the heals' training CE, the KD heal's KD term, held-out perplexity and KL per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_kd_plugin.demo.scratch import draw_curves
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
+    draw_curves(axes[0], "heal: training cross entropy (hard labels)",
+                {f"{name} heal": [row["lm loss"] for row in rows] for name, rows in histories.items()})
+    draw_curves(axes[1], "KD heal: forward KL to the cached top-K (ghost tail)",
+                {"KD heal": [row["kd loss"] for row in histories["KD"]]})
+    ax = axes[2]
+    x = torch.arange(len(MODELS)).numpy()
+    bars = ax.bar(x - 0.2, [metrics[m]["perplexity"] for m in MODELS], 0.4, label="held-out perplexity")
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.axhline(metrics["unigram"]["perplexity"], color="grey", linestyle="--", label="unigram perplexity")
+    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (log scale)")
+    twin = ax.twinx()
+    kl = twin.bar(x + 0.2, [metrics[m]["kl_to_teacher"] for m in MODELS], 0.4, color="tab:orange",
+                  label="KL(teacher ‖ model)")
+    twin.bar_label(kl, fmt="%.3f", fontsize=8)
+    twin.set_ylabel("KL(teacher ‖ model), nats/token")
+    ax.set_xticks(x, MODELS)
+    ax.set_title("held-out text, evaluated by transformers")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def outcome(metrics: dict) -> dict[str, float]:
+    """KD heal against CE heal (relative change of perplexity and KL), and the teacher against the unigram."""
+    kd, ce = metrics["healed KD"], metrics["healed CE"]
+    return {"kd_vs_ce_perplexity": kd["perplexity"] / ce["perplexity"] - 1,
+            "kd_vs_ce_kl": kd["kl_to_teacher"] / ce["kl_to_teacher"] - 1,
+            "teacher_vs_unigram_perplexity": metrics["teacher"]["perplexity"] / metrics["unigram"]["perplexity"] - 1,
+            "teacher_vs_ce_perplexity": metrics["teacher"]["perplexity"] / ce["perplexity"] - 1}
+
+
+def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[str, float]) -> str:
+    """The final table (markdown): one row per model, the unigram baseline, the verdict, then stage times."""
+    shapes = {"teacher": f"{cfg.teacher.num_hidden_layers} layers, MLP {cfg.teacher.intermediate_size}, "
+                         f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
+              "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
+                        f", {params['student'] / 1e6:.2f}M params",
+              "healed KD": f"{cfg.heal_steps} steps, alpha {cfg.kd_alpha}, top-{cfg.topk}",
+              "healed CE": f"{cfg.heal_steps} steps, alpha 0"}
+    lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
+    for name in MODELS:
+        m = metrics[name]
+        lines.append(f"| {name} ({shapes[name]}) | {m['perplexity']:.3f} | {m['kl_to_teacher']:.4f} | "
+                     f"{m['ece']:.4f} |")
+    lines.append(f"| unigram (train-split token frequencies) | {metrics['unigram']['perplexity']:.3f} | | |")
+    o = outcome(metrics)
+    closer = o["kd_vs_ce_perplexity"] < 0 and o["kd_vs_ce_kl"] < 0
+    lines += ["", f"KD heal vs CE heal at the same budget: perplexity {o['kd_vs_ce_perplexity']:+.1%}, KL to the "
+                  f"teacher {o['kd_vs_ce_kl']:+.1%}: the KD-healed student is "
+                  f"{'closer to the teacher in both' if closer else 'NOT closer to the teacher in both'}.",
+              f"Teacher perplexity {o['teacher_vs_unigram_perplexity']:+.1%} against the unigram baseline, "
+              f"{o['teacher_vs_ce_perplexity']:+.1%} against the CE-healed student."]
+    lines += ["", "| stage | seconds |", "|---|---:|"]
+    lines += [f"| {stage} | {s:.1f} |" for stage, s in seconds.items()]
+    return "\n".join(lines)
+
+
+def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
+    """All stages into ``output``; returns {"metrics", "outcome", "params", "seconds"}.
+
+    ``output`` is refused (FileExistsError) if it holds anything and ``overwrite`` is off, and the corpus
+    (CorpusError) if it cannot make the data; both before ``output`` is touched.
+    """
+    from megatron_kd_plugin.bridge.cpu_log import read_history
+
+    seconds: dict[str, float] = {}
+
+    def stage(name, fn, *args, **kwargs):
+        print(f"[demo] {name} ...", flush=True)
+        start = time.perf_counter()
+        value = fn(*args, **kwargs)
+        seconds[name] = time.perf_counter() - start
+        return value
+
+    check_output(output, overwrite)
+    tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
+    prepare_output(output, overwrite)
+    output = output.resolve()
+    (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    commands = output / "commands.sh"
+    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    corpus = tokenized.save(output / "data")
+    teacher, pruned, store = output / "teacher", output / "student_pruned", output / "cache.zarr"
+    teacher_history = stage("teacher", train_teacher, cfg, corpus, teacher)
+    params = stage("compress", compress_teacher, cfg, corpus, teacher, pruned)
+    stage("cache", run_command, cache_command(cfg, corpus, teacher, store), output / "cache.log", commands,
+          threads=max(1, (os.cpu_count() or 1) // cfg.cache_tp))
+    plan_args = heal_arguments(cfg, pruned, store, output / "heal_kd", alpha=cfg.kd_alpha)
+    stage("plan", run_command, package_command("plan", *plan_args), output / "plan.txt", commands)
+    folders = {"teacher": teacher, "pruned": pruned}
+    histories = {}
+    for name, alpha in (("KD", cfg.kd_alpha), ("CE", 0.0)):
+        run_dir = output / f"heal_{name.lower()}"
+        stage(f"heal {name}", run_command, package_command("train", *heal_arguments(cfg, pruned, store, run_dir,
+                                                                                     alpha=alpha)),
+              output / f"heal_{name.lower()}.log", commands)
+        folders[f"healed {name}"] = output / f"healed_{name.lower()}"
+        shutil.copytree(exported_student(run_dir, cfg.heal_steps), folders[f"healed {name}"])
+        histories[name] = read_history(run_dir / "tb_logs")
+    metrics = stage("eval", evaluate_folders, cfg, corpus, folders)
+    (output / "history.json").write_text(json.dumps({"teacher": teacher_history, "heal_kd": histories["KD"],
+                                                     "heal_ce": histories["CE"]}) + "\n")
+    plot_results(metrics, histories, output / "results.png")
+    seconds["total"] = sum(seconds.values())
+    result = {"metrics": metrics, "outcome": outcome(metrics), "params": params, "seconds": seconds}
+    (output / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+    (output / "results.md").write_text(results_table(cfg, metrics, params, seconds) + "\n")
+    return result
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--from-scratch", action="store_true", help="the first demo instead: a GPT teacher and "
+                        "students trained from random weights (demo --from-scratch --help)")
+    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
+                        help="output folder (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
+    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
+                        + "/".join("*" + s for s in TEXT_SUFFIXES) + " files (one document each, read as UTF-8) "
+                        "or a .jsonl file (one JSON object per line, its text under --text-key)")
+    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
+    parser.add_argument("--seed", type=int, help="override the preset's seed")
+    parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
+    parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--from-scratch" in argv:
+        from megatron_kd_plugin.demo import scratch
+
+        return scratch.main([arg for arg in argv if arg != "--from-scratch"])
+    args = parse_args(argv)
+    changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
+                                               ("heal_steps", args.heal_steps)) if value is not None}
+    preset = PRESETS[args.preset]
+    try:
+        corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key)
+        cfg = dataclasses.replace(preset, corpus=corpus, **changes)
+    except ValueError as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = run_demo(cfg, args.output, overwrite=args.overwrite)
+    except (FileExistsError, CorpusError) as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as error:
+        print(f"demo: error: `{error.cmd}` failed (exit {error.returncode}); its output is above and in "
+              f"{args.output}/", file=sys.stderr)
+        return 1
+    print("\n" + results_table(cfg, result["metrics"], result["params"], result["seconds"]))
+    print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, results.png, commands.sh; the "
+          "healed students as HF folders in healed_kd/ and healed_ce/)")
+    return 0
