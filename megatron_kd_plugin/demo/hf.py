@@ -81,7 +81,7 @@ def mlp_channel_importance(model, calibration: torch.Tensor, micro_batch_size: i
     try:
         for start in range(0, len(calibration), micro_batch_size):
             batch = calibration[start:start + micro_batch_size]
-            model(input_ids=batch)
+            model(input_ids=batch, use_cache=False)
             tokens += batch.numel()
     finally:
         for h in hooks:
@@ -103,8 +103,10 @@ def compress(teacher, keep_layers: tuple[int, ...], mlp_keep: float, calibration
         raise ValueError(f"mlp_keep={mlp_keep}: must be in (0, 1]")
     width = max(1, round(config.intermediate_size * mlp_keep))
     importance = mlp_channel_importance(teacher, calibration)
-    student_config = transformers.Qwen3Config(**{**config.to_dict(), "num_hidden_layers": len(keep_layers),
-                                                 "intermediate_size": width})
+    fields = {**config.to_dict(), "num_hidden_layers": len(keep_layers), "intermediate_size": width}
+    if fields.get("layer_types"):   # per-layer attention types: the kept layers'
+        fields["layer_types"] = [fields["layer_types"][i] for i in keep_layers]
+    student_config = transformers.Qwen3Config(**fields)
     student = transformers.Qwen3ForCausalLM(student_config)
     state = teacher.state_dict()
     new_state = {}
