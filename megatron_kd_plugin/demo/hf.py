@@ -107,7 +107,7 @@ def compress(teacher, keep_layers: tuple[int, ...], mlp_keep: float, calibration
     if fields.get("layer_types"):   # per-layer attention types: the kept layers'
         fields["layer_types"] = [fields["layer_types"][i] for i in keep_layers]
     student_config = transformers.Qwen3Config(**fields)
-    student = transformers.Qwen3ForCausalLM(student_config)
+    student = transformers.Qwen3ForCausalLM(student_config).to(teacher.dtype)
     state = teacher.state_dict()
     new_state = {}
     for name, tensor in state.items():
