@@ -1,11 +1,13 @@
 """``python -m megatron_kd_plugin COMMAND [ARGS...]``.
 
 Commands:
-  demo      the end-to-end job on an embedded default: train a teacher, cache its top-K, distil a student
+  demo      the end-to-end job on an embedded default: a HF teacher trained and cached, a pruned copy healed
+            from the cache by KD (and by CE as control), all evaluated (--from-scratch: the first demo)
   cache     run a teacher once over token data and write its top-K (or sampled) cache store (under torchrun)
   train     distil a student from a cache store with a KD recipe (Bridge's pretrain() on GPU, a CPU loop without)
   inspect   print (and optionally plot) what a teacher top-K cache store holds
-  plan      per-GPU memory of a KD recipe by component (weights ... loss head) and whether it fits a GPU
+  plan      per-GPU memory of a KD run by component (weights ... loss head) and whether it fits a GPU (train's
+            arguments)
 """
 
 from __future__ import annotations

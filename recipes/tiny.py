@@ -2,7 +2,8 @@
 
 Its cache comes from a tiny teacher written by ``megatron_kd_plugin.cache`` (``dataset.cache_path=...``); the
 student's vocabulary must hold the teacher's ids (``model.vocab_size=...``). It starts from random weights and
-writes no checkpoints unless asked (``checkpoint.save=DIR checkpoint.load=DIR``: save there, resume from there).
+writes no checkpoints unless asked (``checkpoint.save=DIR checkpoint.load=DIR``: save there, resume from there),
+and no TensorBoard events or step history unless asked (``logger.tensorboard_dir=DIR``).
 """
 
 from __future__ import annotations
@@ -34,5 +35,6 @@ def tiny_gpt_kd_cpu_fp32_config() -> KDConfigContainer:
     cfg.dataset.num_workers, cfg.dataset.pin_memory = 0, False
     cfg.logger.log_interval = 1
     cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.logger.tensorboard_dir = None
     cfg.mixed_precision = None
     return cfg

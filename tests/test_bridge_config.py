@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
@@ -57,6 +58,44 @@ def test_real_model_recipes_are_32k_bf16_hf_students_and_the_multi_gpu_one_uses_
     assert (one.model.tensor_model_parallel_size, one.model.pipeline_model_parallel_size) == (1, 1)
     tp, pp = eight.model.tensor_model_parallel_size, eight.model.pipeline_model_parallel_size
     assert tp > 1 and pp > 1 and 8 // (tp * pp) > 1 and eight.model.sequence_parallel
+
+
+def test_cpu_recipe_for_hf_students_is_fp32_without_gpu_settings_at_the_given_seq_length(tiny_hf_qwen3):
+    assert {"tiny_gpt_kd_cpu_fp32_config", "hf_student_kd_cpu_fp32_config"} <= set(RECIPES)   # listed with the others
+    cfg = RECIPES["hf_student_kd_cpu_fp32_config"](hf_path=str(tiny_hf_qwen3), seq_length=48)
+    assert cfg.model.seq_length == cfg.dataset.seq_length == 48
+    assert cfg.mixed_precision is None and not cfg.model.bf16 and not cfg.optimizer.bf16
+    assert cfg.model.params_dtype == torch.float32 and cfg.model.recompute_granularity is None
+    assert cfg.dataset.num_workers == 0 and not cfg.optimizer.use_distributed_optimizer
+    assert cfg.checkpoint.pretrained_checkpoint == str(tiny_hf_qwen3) and cfg.checkpoint.also_save_hf_checkpoint
+    # --seq-length: the recipe's argument, or for a recipe without one both seq_length overrides
+    assert build_config("hf_student_kd_cpu_fp32_config", [], hf_path=str(tiny_hf_qwen3),
+                        seq_length=64).dataset.seq_length == 64
+    tiny = build_config("tiny_gpt_kd_cpu_fp32_config", [], seq_length=16)
+    assert tiny.model.seq_length == tiny.dataset.seq_length == 16
+    for name in ("qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config", "qwen3_8b_to_1p7b_kd_32k_8gpu_h200_bf16_config"):
+        gpu = recipe_config(name, tiny_hf_qwen3)   # the H200 recipes keep their GPU settings
+        assert gpu.mixed_precision == "bf16_mixed" and gpu.model.recompute_granularity == "selective", name
+
+
+def test_a_default_student_that_is_an_unreachable_hub_id_is_one_line(capsys, monkeypatch, tmp_path):
+    """No --hf-path and no network (the hub offline, an empty cache): plan and train say what to do in one line."""
+    import huggingface_hub.constants
+
+    from megatron_kd_plugin.bridge import memory_plan, train_cli
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    for command in (memory_plan.main, train_cli.main):
+        assert command(["--recipe", "qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert ("its default student 'Qwen/Qwen3-0.6B' is a Hugging Face hub id and could not be fetched" in lines[0]
+                and lines[0].endswith("--hf-path takes a local folder (config.json + *.safetensors)")), lines
+    # a hub id given with --hf-path: the same line, about that id
+    assert train_cli.main(["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", "someone/pruned-model"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "'someone/pruned-model' is not a local folder" in line and "--hf-path takes a local folder" in line
 
 
 def test_kd_config_mirrors_the_loss_options_field_for_field():

@@ -218,10 +218,15 @@ def tp2_body(store):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_qwen3):
+def store(tmp_path_factory):
+    """Where ``runs`` writes the teacher cache."""
+    return tmp_path_factory.mktemp("bridge") / "teacher.zarr"
+
+
+@pytest.fixture(scope="module")
+def runs(store, tiny_hf_qwen3):
     from tests.distributed import run_on_ranks
 
-    store = tmp_path_factory.mktemp("bridge") / "teacher.zarr"
     tp1 = run_on_ranks(1, tp1_body, store, tiny_hf_qwen3, timeout=600)[0]
     tp2 = run_on_ranks(2, tp2_body, store, timeout=600)
     return tp1, tp2
@@ -282,3 +287,63 @@ def test_one_training_step_on_a_sampled_store_and_its_loss_equals_the_float64_sa
     assert len(sampled["history"]) == 1 and all(math.isfinite(v) for v in sampled["history"][0].values())
     assert "kd.tail='ghost' does not fit the sampled store" in sampled["refusals"][0]
     assert "kd.tail='sampled' does not fit the topk store" in sampled["refusals"][1]
+
+
+def test_train_command_logs_each_interval_and_a_killed_run_keeps_its_history_and_events(runs, store, tmp_path):
+    """``python -m megatron_kd_plugin train`` with logger.log_interval=2 and a tensorboard_dir, SIGKILLed once it
+    printed iteration 4: a line at every 2nd step with Bridge's fields, and on disk every step it finished, in the
+    history file and in TensorBoard events (Bridge's writer), equal to what it printed."""
+    import json
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_kd_plugin.bridge.cpu_log import read_history
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    tb = tmp_path / "tb"
+    (tb).mkdir()
+    (tb / "history.jsonl").write_text(json.dumps({"step": 0, "loss": -1.0}) + "\n")   # an old run's: replaced
+    command = [sys.executable, "-m", "megatron_kd_plugin", "train", "--recipe", "tiny_gpt_kd_cpu_fp32_config",
+               *tiny_overrides(store, "train.train_iters=100000", "kd.alpha=0.5", "logger.log_interval=2",
+                               f"logger.tensorboard_dir={tb}")]
+    env = dict(os.environ, PYTHONPATH=str(repo), MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("iteration      4/"):
+                break
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    logged = [line for line in lines if line.startswith("iteration")]
+    assert [line.split("|")[0].split()[1] for line in logged] == ["2/100000", "4/100000"], "".join(lines[-30:])
+    fields = dict(part.strip().split(": ") for part in logged[1].split("|")[1:])
+    assert set(fields) == {"consumed samples", "tokens/s", "learning rate", "loss", "kd loss", "lm loss", "grad norm"}
+    assert fields["consumed samples"] == "16" and float(fields["tokens/s"].replace(",", "")) > 0
+
+    history = read_history(tb)
+    assert len(history) >= 4 and [row["step"] for row in history] == list(range(len(history)))
+    for key in ("loss", "kd loss", "lm loss", "grad norm"):   # the line rounds (6 digits; grad norm 4)
+        assert float(fields[key]) == pytest.approx(history[3][key], rel=1e-3), key
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    kd = {event.step: event.value for event in events.Scalars("kd loss")}
+    assert {1, 2, 3, 4} <= kd.keys() and {"learning-rate", "grad-norm", "lm loss"} <= set(events.Tags()["scalars"])
+    for row in history[:4]:
+        assert kd[row["step"] + 1] == pytest.approx(row["kd loss"], rel=1e-6)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,6 +1,7 @@
 """The end-to-end demo: its corpus (the stdlib's or the user's), its metrics against independent references, bad
-corpora refused before anything is touched, and the miniature pipeline run twice, from the checkout and from a
-non-editable installation outside it (same seed -> same numbers; a used output folder is refused)."""
+corpora refused before anything is touched, the compression against transformers' own forward, and the miniature
+heal run once from a non-editable installation outside the checkout, its KD heal then rerun from the checkout by
+the command the demo wrote (same seed -> same losses and weights; a used output folder is refused)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 from megatron_kd_plugin.demo import data
 from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
-from megatron_kd_plugin.demo.pipeline import PRESETS, main, prepare_output
+from megatron_kd_plugin.demo.pipeline import MODELS, PRESETS, main
+from megatron_kd_plugin.demo.scratch import prepare_output
 from tests.test_packaging import install_package, outside_repo_env
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -150,9 +152,9 @@ def _bad_corpus(case: str, tmp: pathlib.Path) -> tuple[pathlib.Path, ...]:
     if case == "one document":
         return _write_folder(tmp / "single", _user_texts(1)), "split is empty"
     # too little text: the error says how many tokens the cache (train split) or the eval (held-out) needs; with
-    # one student step (8 cached samples) the train split holds enough, the held-out one not
+    # one heal step (8 cached samples) the train split holds enough, the held-out one not
     split = "heldout" if case == "too little held-out text" else "train"
-    cfg = dataclasses.replace(PRESETS["default"], student_steps=1 if split == "heldout" else 150)
+    cfg = dataclasses.replace(PRESETS["default"], heal_steps=1 if split == "heldout" else PRESETS["default"].heal_steps)
     label = "held-out" if split == "heldout" else "train"
     return (_write_folder(tmp / "small", _user_texts(60)),
             f"too little text: the {label} split", f"the demo needs {cfg.corpus_needs()[split][0]:,} (")
@@ -165,7 +167,7 @@ def test_bad_corpus_is_refused_before_anything_is_touched(tmp_path, capsys, case
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous run")
-    steps = ["--student-steps", "1"] if case == "too little held-out text" else []
+    steps = ["--heal-steps", "1"] if case == "too little held-out text" else []
     assert main(["--corpus", str(source), "--output", str(out), "--overwrite", *steps]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("demo:")]
     assert len(errors) == 1 and str(source) in errors[0] and all(e in errors[0] for e in expected), errors
@@ -223,43 +225,86 @@ def test_refuses_a_used_output_folder(tmp_path, capsys):
     assert folder.is_dir() and not any(folder.iterdir())
 
 
-def _run_mini(folder: pathlib.Path, installed: pathlib.Path | None = None) -> subprocess.CompletedProcess:
-    """The mini demo from the checkout, or with ``installed`` from that installation in a folder outside it."""
-    env, cwd = ((dict(os.environ, PYTHONPATH=str(REPO_ROOT)), REPO_ROOT) if installed is None
-                else (outside_repo_env(installed), folder.parent))
-    return subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "demo", "--preset", "mini", "--output",
-                           str(folder)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+def test_compression_keeps_the_chosen_layers_and_most_active_mlp_channels(tiny_hf_qwen3):
+    """The pruned student equals, under transformers, the teacher with those layers removed and the other MLP
+    channels' weights zeroed (a zeroed channel adds nothing): an independent construction of the same model."""
+    import transformers
+
+    from megatron_kd_plugin.demo import hf
+
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_qwen3, dtype=torch.float64).eval()
+    calibration = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    student = hf.compress(teacher, (1,), 0.25, calibration)
+    assert (student.config.num_hidden_layers, student.config.intermediate_size) == (1, 32)
+    importance = hf.mlp_channel_importance(teacher, calibration)[1]                  # [128]
+    kept = importance.argsort(descending=True)[:32]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_qwen3, dtype=torch.float64).eval()
+    mlp = reference.model.layers[1].mlp
+    dropped = torch.ones(128, dtype=torch.bool)
+    dropped[kept] = False
+    with torch.no_grad():
+        mlp.down_proj.weight[:, dropped] = 0
+    reference.model.layers = reference.model.layers[1:]
+    reference.config.num_hidden_layers = 1
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(student(input_ids=tokens, use_cache=False).logits,
+                                   reference(input_ids=tokens, use_cache=False).logits)
+    with pytest.raises(ValueError, match="keep_layers"):
+        hf.compress(teacher, (1, 0), 0.5, calibration)
 
 
-def test_mini_pipeline_end_to_end_twice(tmp_path):
-    """Once from the checkout, once from a non-editable installation outside it (cache step included)."""
-    runs = [tmp_path / "run1", tmp_path / "run2"]
+def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_the_checkout(tmp_path):
+    """The whole mini demo in a fresh process from a non-editable installation outside the checkout (the package's
+    own cache / plan / train commands under it); then its KD heal command, as the demo wrote it to commands.sh, run
+    again from the checkout: the same losses and the same exported weights, to the last bit."""
+    import shlex
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "run"
     installed = install_package(tmp_path / "site")
-    for folder, package in zip(runs, (None, installed)):
-        done = _run_mini(folder, package)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    results = [json.loads((folder / "metrics.json").read_text()) for folder in runs]
-    assert results[0]["metrics"] == results[1]["metrics"]   # same seed, same numbers, to the last bit
-    histories = [json.loads((folder / "history.json").read_text()) for folder in runs]
-    assert histories[0] == histories[1]
-
-    metrics = results[0]["metrics"]
-    assert set(metrics) == {"teacher", "student from cache (KD)", "student CE only"}
-    kd, ce = metrics["student from cache (KD)"], metrics["student CE only"]
+    done = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "demo", "--preset", "mini", "--output",
+                           str(folder)], cwd=tmp_path, env=outside_repo_env(installed), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads((folder / "metrics.json").read_text())
+    metrics = result["metrics"]
+    assert set(metrics) == {*MODELS, "unigram"}
     assert metrics["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
-    assert kd["kl_to_teacher"] < ce["kl_to_teacher"]   # distillation moved the student towards the teacher
-    for m in metrics.values():
-        assert 1 < m["perplexity"] < 2 * MINI.corpus.vocab_size and 0 <= m["ece"] <= 1
-    teacher_losses = [h["loss"] for h in histories[0]["teacher"]]
-    assert np.mean(teacher_losses[-5:]) < np.mean(teacher_losses[:5])
-    assert len(histories[0]["student_kd"]) == len(histories[0]["student_ce"]) == MINI.student_steps
-
-    folder = runs[0]
-    for name in ("loss_curves.png", "results.md", "data/tokenizer.json", "data/train.bin", "data/train.idx",
-                 "teacher", "cache.zarr"):
+    assert metrics["teacher"]["perplexity"] < metrics["unigram"]["perplexity"]     # the teacher learnt something
+    kd, ce, pruned = metrics["healed KD"], metrics["healed CE"], metrics["pruned"]
+    assert kd["kl_to_teacher"] < ce["kl_to_teacher"] and kd["kl_to_teacher"] < pruned["kl_to_teacher"]
+    for m in (metrics[name] for name in MODELS):
+        assert 1 < m["perplexity"] and 0 <= m["ece"] <= 1
+    assert result["params"]["student"] < result["params"]["teacher"]
+    history = json.loads((folder / "history.json").read_text())
+    assert len(history["heal_kd"]) == len(history["heal_ce"]) == MINI.heal_steps
+    assert "lm loss" in history["heal_kd"][0] and "kd loss" in history["heal_kd"][0]
+    for name in ("results.png", "results.md", "plan.txt", "commands.sh", "teacher/config.json",
+                 "teacher/tokenizer.json", "student_pruned/model.safetensors", "healed_kd/model.safetensors",
+                 "healed_ce/model.safetensors", "cache.zarr", "heal_kd/tb_logs/history.jsonl"):
         assert (folder / name).exists(), name
-    assert (folder / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
-    table = (folder / "results.md").read_text()
-    assert all(name in table for name in metrics)
+    assert (folder / "results.png").read_bytes()[:4] == b"\x89PNG"
+    assert all(name in (folder / "results.md").read_text() for name in (*MODELS, "unigram"))
+    assert f"planned: seq_length={MINI.seq_length}, micro_batch_size={MINI.micro_batch_size}" in (
+        folder / "plan.txt").read_text()
+    assert "iteration" in (folder / "heal_kd.log").read_text()
+
+    heal = next(line for line in (folder / "commands.sh").read_text().splitlines()
+                if " train " in line and "kd.alpha=0.0" not in line)
+    rerun = tmp_path / "rerun"
+    arguments = [arg.replace(str(folder / "heal_kd"), str(rerun)) for arg in shlex.split(heal)[1:]]
+    again = subprocess.run([sys.executable, *arguments], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    from megatron_kd_plugin.bridge.cpu_log import read_history
+
+    assert read_history(rerun / "tb_logs") == history["heal_kd"]
+    exported = load_file(folder / "healed_kd" / "model.safetensors")
+    rerun_weights = load_file(rerun / "checkpoints" / f"iter_{MINI.heal_steps:07d}" / "hf" / "model.safetensors")
+    assert exported.keys() == rerun_weights.keys()
+    assert all(torch.equal(exported[key], rerun_weights[key]) for key in exported)
+
     assert main(["--preset", "mini", "--output", str(folder)]) == 2   # a finished run is not overwritten
-    assert json.loads((folder / "metrics.json").read_text()) == results[0]
+    assert json.loads((folder / "metrics.json").read_text()) == result

@@ -54,14 +54,37 @@ def test_long_context_recipes_fit_an_h200_as_their_docstrings_state(qwen3_config
 def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys, qwen3_configs):
     assert main(["--published", "--hf-path", str(qwen3_configs["1.7b"])]) == 0
     out = capsys.readouterr().out
-    header = out.splitlines()[2].split()
+    header = next(line for line in out.splitlines() if line.startswith("GiB per GPU")).split()
     assert header[-4:] == ["fused", "forward_chunked", "megatron_peer", "dense"]
     total = [float(x) for x in next(line for line in out.splitlines() if line.startswith("total")).split()[1:]]
     verdict = next(line for line in out.splitlines() if line.startswith("140 GiB GPU"))
     assert verdict.split("usable)")[1].split() == ["fits", "does", "NOT", "fit", "does", "NOT", "fit", "does",
                                                     "NOT", "fit"]
-    assert "V=201,088" in out and "32,768 x micro_batch 4" in out
+    assert "V=201,088" in out and "planned: seq_length=32,768, micro_batch_size=4 (one microbatch" in out
     assert total[0] < total[3] / 2 and total[0] < total[2] / 2
+    assert "fused loss head is larger" not in out   # at real sizes it is the smallest: no note
+
+
+def test_plan_takes_the_train_arguments_and_explains_a_larger_fused_head(capsys, tiny_hf_qwen3):
+    """The CPU recipe at a small shape, with train's --hf-path, --seq-length and overrides: the plan is of the
+    config train builds from them, says what it planned, and why the fused head is the larger one there."""
+    from megatron_kd_plugin.bridge.train_cli import build_config
+
+    arguments = ["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", str(tiny_hf_qwen3), "--seq-length", "64",
+                 "train.micro_batch_size=2", "train.global_batch_size=4", "kd.chunk_bytes=8388608"]
+    assert main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "planned: seq_length=64, micro_batch_size=2 (one microbatch in flight: 128 tokens), global_batch_size=4" in out
+    plan = plan_memory(build_config("hf_student_kd_cpu_fp32_config", arguments[-3:], hf_path=str(tiny_hf_qwen3),
+                                    seq_length=64), gpus=1)
+    total = next(line for line in out.splitlines() if line.startswith("total")).split()[1:]
+    assert float(total[0]) == pytest.approx(plan.total("fused") / GIB, abs=0.006)
+    assert plan.chunk_bytes == 8388608 and plan.loss_head["fused"] > plan.loss_head["forward_chunked"]
+    note = next(line for line in out.splitlines() if "fused loss head is larger than" in line)
+    assert "forward_chunked" in note and "c = 8 MiB" in note
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "the train command's" in " ".join(capsys.readouterr().out.split())
 
 
 def test_plan_refuses_bad_input_with_one_line(capsys, qwen3_configs):

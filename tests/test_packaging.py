@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from megatron_kd_plugin.demo.pipeline import PRESETS
+from megatron_kd_plugin.demo.scratch import PRESETS
 from tests.distributed import scaled
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ IMPORT_EVERYTHING = textwrap.dedent("""
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             modules.append(importlib.import_module(info.name))
     from megatron_kd_plugin.bridge.train_cli import build_config
-    from megatron_kd_plugin.demo import pipeline
+    from megatron_kd_plugin.demo import scratch as pipeline
     cfg = pipeline.PRESETS["mini"]
     config = build_config(pipeline.STUDENT_RECIPE, pipeline.student_overrides(
         cfg, pathlib.Path("cache.zarr"), 512, pathlib.Path("run"), alpha=cfg.kd_alpha))
@@ -80,6 +80,6 @@ def test_installed_package_runs_without_the_repository(tmp_path):
     venv = pathlib.Path(sys.prefix).resolve()   # the environment may live inside the checkout (.venv/)
     assert not any(pathlib.Path(p).is_relative_to(REPO_ROOT) and not pathlib.Path(p).is_relative_to(venv)
                    for p in report["sys_path"]), report["sys_path"]
-    mini = PRESETS["mini"]   # the recipe resolved, with the demo's overrides applied
+    mini = PRESETS["mini"]   # the recipe resolved, with the from-scratch demo's overrides applied
     assert (report["num_layers"], report["alpha"], report["cache_path"]) == (
         mini.student.num_layers, mini.kd_alpha, "cache.zarr")

@@ -1,9 +1,9 @@
 """Distillation quality: does an offline teacher cache keep what online, full-vocabulary KD gives?
 
-    python tools/bench_quality.py [--preset default|small|mini] [--output bench_results/quality] [--reuse outputs/demo]
+    python tools/bench_quality.py [--preset default|small|mini] [--output bench_results/quality] [--reuse outputs/demo_scratch]
 
-First the demo's stages 1-3 (``megatron_kd_plugin.demo.pipeline``: stdlib corpus, teacher, top-100 cache at
-TP=2), or ``--reuse`` a finished demo folder's; then, for the sampled variants, sampled stores written by the same
+First the demo's stages 1-3 (``megatron_kd_plugin.demo.scratch``, the from-scratch demo: stdlib corpus, teacher, top-100 cache at
+TP=2), or ``--reuse`` a finished ``demo --from-scratch`` folder's; then, for the sampled variants, sampled stores written by the same
 cache tool (``--sample N``, TP=2). Then students of one architecture, step budget, batch order, learning-rate
 schedule and seed, each trained by the Megatron-Bridge CPU path (``train_on_cpu``) in its own child process,
 differing only in their loss:
@@ -191,7 +191,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
     from megatron_kd_plugin.demo.data import DemoCorpus, padded_vocab_size, token_windows
     from megatron_kd_plugin.demo.metrics import evaluate
-    from megatron_kd_plugin.demo.pipeline import PRESETS, STUDENT_RECIPE, student_overrides
+    from megatron_kd_plugin.demo.scratch import PRESETS, STUDENT_RECIPE, student_overrides
     from megatron_kd_plugin.demo.train import single_process_megatron
     from megatron_kd_plugin.gpt import load_gpt
     from megatron_kd_plugin.bridge.train_cli import build_config
@@ -248,7 +248,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
                  vocab_size: int | None = None, teacher_steps: int | None = None) -> None:
     """Stages 1-3 of the demo into ``work`` (or links a finished demo folder's data, teacher and cache); the
     tokenizer's vocabulary size and the teacher's steps may override the preset's."""
-    from megatron_kd_plugin.demo import pipeline
+    from megatron_kd_plugin.demo import scratch as pipeline
     from megatron_kd_plugin.demo.data import build_corpus
     from megatron_kd_plugin.demo.train import single_process_megatron
 
@@ -264,7 +264,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     if reuse is not None:
         for name in ("data", "teacher", "cache.zarr", "config.json"):
             if not (reuse / name).exists():
-                raise ValueError(f"--reuse {reuse}: no {name} there (run the demo first)")
+                raise ValueError(f"--reuse {reuse}: no {name} there (run `python -m megatron_kd_plugin demo --from-scratch` first)")
             (work / name).symlink_to((reuse / name).resolve())
         return
     cfg = pipeline.PRESETS[preset]
@@ -282,7 +282,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
 def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str], proposal_temperature: float) -> None:
     """The sampled stores the chosen variants read (``sampleN``, ``eqbytesN``), by the cache tool at TP=2."""
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.demo import pipeline
+    from megatron_kd_plugin.demo import scratch as pipeline
     from megatron_kd_plugin.demo.data import DemoCorpus
 
     cfg = pipeline.PRESETS[preset]
@@ -375,7 +375,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_kd_plugin.demo.pipeline import PRESETS
+    from megatron_kd_plugin.demo.scratch import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")

@@ -53,7 +53,8 @@ MSG
     "$python" -m venv "$venv"
   fi
   local start=$SECONDS
-  echo "[setup] installing megatron_kd_plugin and its dependencies (first time: several minutes)"
+  echo "[setup] installing megatron_kd_plugin and its dependencies; the first time on a 2-core machine this takes"
+  echo "[setup] ~25 min, most of it compiling Transformer Engine's C++ extension (step 2/4 below, ~20-25 min)"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -c "$repo/tools/constraints.txt" -e "$repo[test]"
   bash "$repo/tools/install_te_bridge.sh" "$venv/bin/python"

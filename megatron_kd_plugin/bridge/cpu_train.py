@@ -9,7 +9,9 @@ norm gradients over TP), clips them by their TP-aware global norm (megatron-core
 ``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
 resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
 a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
-it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It is not a second trainer:
+it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It logs as Bridge's loop does
+(``cpu_log``): a line every ``logger.log_interval`` steps, TensorBoard events through Bridge's writer and the step
+history on disk (``<logger.tensorboard_dir>/history.jsonl``) as the run goes. It is not a second trainer:
 no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
@@ -21,6 +23,7 @@ Bridge's report pairs reduced as Bridge logs them (sum over microbatches and DP 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import get_model_config
-from tqdm import tqdm
 
 from megatron_kd_plugin.bridge.cpu_checkpoint import load_checkpoint, save_checkpoint
+from megatron_kd_plugin.bridge.cpu_log import StepLog
 from megatron_kd_plugin.bridge.hf import is_hf_checkpoint
 from megatron_kd_plugin.bridge.student import load_hf_weights
 from megatron_kd_plugin.bridge.forward_step import kd_forward_step
@@ -102,7 +105,7 @@ def _clip_grad_norm(params, max_norm: float) -> float:
 
 def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = True):
     """Train ``cfg`` (a KD recipe) up to ``cfg.train.train_iters`` steps on CPU; returns (model chunks, history of
-    the steps run here: a resumed run starts at its checkpoint's step).
+    the steps run here: a resumed run starts at its checkpoint's step). ``progress``: print the log lines.
 
     Raises ValueError before step one on anything the run cannot do (bad store, mismatched sizes, PP > 1, CUDA
     present: use Bridge's ``pretrain()`` there).
@@ -147,7 +150,10 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     step_func = lambda data_iterator, model: forward_step_func(state, data_iterator, model)  # noqa: E731
     history = []
     steps = range(state.train_state.step, cfg.train.train_iters)
-    for step in tqdm(steps, desc="KD on CPU", disable=not progress or dist.get_rank() != 0):
+    log = StepLog(state, start_step=steps.start, tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length,
+                  print_lines=progress)
+    for step in steps:
+        started = time.perf_counter()
         for param in params:
             param.grad = None
         reports, loss = [], torch.zeros(())
@@ -168,6 +174,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         dist.all_reduce(loss, group=dp_group)
         history.append({"step": step, "loss": float(loss) / dp_size, "lr": lr, "grad norm": float(grad_norm),
                         **_reduce_report(reports, dp_group)})
+        log.step(history[-1], time.perf_counter() - started)
         state.train_state.step = done = step + 1
         state.train_state.consumed_train_samples += cfg.train.global_batch_size
         exiting = bool(cfg.train.exit_interval) and done % cfg.train.exit_interval == 0   # Bridge's exit rule
@@ -176,4 +183,5 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
             save_checkpoint(state, models, optimizer, scheduler)
         if exiting:
             break
+    log.close()
     return models, history

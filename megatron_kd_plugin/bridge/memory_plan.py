@@ -107,6 +107,8 @@ class MemoryPlan:
     """Peak of each loss formulation above the model."""
     impl: str
     """The recipe's ``kd.impl``."""
+    chunk_bytes: int
+    """The fused loss's chunk budget c the plan used."""
     notes: tuple[str, ...]
     """Bridge's estimator assumptions plus this plan's."""
 
@@ -185,7 +187,7 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     return MemoryPlan(weights=params * a, gradients=params * 4, optimizer=optimizer,
                       activations=_activations_without_output_layer(cfg, estimate.activation.memory_bytes, a),
                       kd_batch=tokens * k * 8, loss_head=loss_head_bytes(shape, transient_dw=transient_dw),
-                      impl=cfg.kd.impl, notes=notes)
+                      impl=cfg.kd.impl, chunk_bytes=shape.chunk_bytes, notes=notes)
 
 
 def bench_step_predictions(*, hidden: int, vocab: int, heads: int, groups: int, ffn: int, layers: int,
@@ -234,25 +236,38 @@ def format_plan(plan: MemoryPlan, gpu_gib: float, title: str) -> str:
     lines.append(f"{'total':<{width}}" + "".join(f"{plan.total(i) / GIB:>17.2f}" for i in impls))
     verdict = ["fits" if fits(plan, gpu_gib, i) else "does NOT fit" for i in impls]
     lines.append(f"{f'{gpu_gib:g} GiB GPU (90% usable)':<{width}}" + "".join(f"{v:>17}" for v in verdict))
-    return "\n".join(lines + [f"  - {note}" for note in plan.notes])
+    return "\n".join(lines + [f"  - {note}" for note in plan.notes + fused_head_notes(plan)])
+
+
+def fused_head_notes(plan: MemoryPlan) -> tuple[str, ...]:
+    """Why the fused head can be the larger one: it reserves its chunk budget c whatever T, so it is larger where
+    the other formulation's [T, V_p] buffers are smaller than c (small T or V)."""
+    larger_than = [impl for impl in LOSS_HEADS if plan.loss_head[impl] < plan.loss_head["fused"]]
+    if not larger_than:
+        return ()
+    return (f"The fused loss head is larger than {', '.join(larger_than)} here: it reserves its chunk budget "
+            f"c = {plan.chunk_bytes / 2**20:,.0f} MiB (kd.chunk_bytes, or the loss's default) whatever the tokens, "
+            f"and at these shapes their [T, V] buffers are smaller than c; kd.chunk_bytes=N lowers it, and at "
+            f"long sequences or large vocabularies the fused head is the smallest.",)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_kd_plugin plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", help="recipe function name")
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="--recipe, --config-file, --hf-path, --seq-length and the overrides are the "
+                                            "train command's: give the plan the arguments of the run it plans")
+    from megatron_kd_plugin.bridge.train_cli import add_config_arguments
+
+    add_config_arguments(parser)
     parser.add_argument("--published", action="store_true",
                         help="the published case: gpt-oss vocabulary 201,088, 32K x 4 tokens, one GPU, "
                              f"recipe {PUBLISHED_CASE[0]} with {' '.join(PUBLISHED_CASE[1])}")
-    parser.add_argument("--hf-path", help="the student's Hugging Face checkpoint (folder or hub id), for recipes "
-                        "that take one (config.json is what the plan reads)")
     parser.add_argument("--gpu-memory", type=float, default=140.0, help="GPU memory in GiB (default: an H200's 140)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs of the run (default: the recipe name's <N>gpu, else TP x CP x PP)")
     parser.add_argument("--k", type=int, default=None, help=f"teacher ids per token (default: dataset.k or "
                                                             f"{DEFAULT_K})")
     parser.add_argument("--num-microbatches", type=int, default=None, help="microbatches in flight (PP>1)")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. model.seq_length=65536")
     args = parser.parse_args(argv)
     if args.gpu_memory <= 0:
         parser.error(f"--gpu-memory={args.gpu_memory}: must be > 0 GiB")
@@ -268,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe, overrides = PUBLISHED_CASE if args.published else (args.recipe, [])
     try:
-        cfg = build_config(recipe, overrides + args.overrides, hf_path=args.hf_path)
+        cfg = build_config(recipe, overrides + args.overrides, args.config_file, args.hf_path, args.seq_length)
     except (ValueError, OverridesError) as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
@@ -279,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
-    model = cfg.model
+    model, train = cfg.model, cfg.train
     title = (f"{'published case: ' if args.published else ''}{recipe} {' '.join(overrides + args.overrides)}\n"
-             f"  {model.num_layers} layers, H={model.hidden_size}, V={model.vocab_size:,}, seq_length="
-             f"{model.seq_length:,} x micro_batch {cfg.train.micro_batch_size}, TP={model.tensor_model_parallel_size}"
-             f" CP={model.context_parallel_size} PP={model.pipeline_model_parallel_size}, recompute="
-             f"{model.recompute_granularity}")
+             f"  {model.num_layers} layers, H={model.hidden_size}, V={model.vocab_size:,}, TP="
+             f"{model.tensor_model_parallel_size} CP={model.context_parallel_size} PP="
+             f"{model.pipeline_model_parallel_size}, recompute={model.recompute_granularity}\n"
+             f"  planned: seq_length={model.seq_length:,}, micro_batch_size={train.micro_batch_size} "
+             f"(one microbatch in flight: {model.seq_length * train.micro_batch_size:,} tokens), global_batch_size="
+             f"{train.global_batch_size}")
     print(format_plan(plan, args.gpu_memory, title))
     return 0
 

@@ -18,16 +18,32 @@ import pathlib
 from megatron_kd_plugin.bridge.hf import hf_model_provider, is_hf_checkpoint
 
 
+class HubStudentError(ValueError):
+    """A student named by a hub id that the hub could not give (no network, no such repository, not cached)."""
+
+    def __init__(self, hf_path: str, reason: str):
+        self.hf_path, self.reason = hf_path, reason
+        super().__init__(f"{hf_path!r} is not a local folder, and as a Hugging Face hub id it could not be fetched "
+                         f"({reason}); --hf-path takes a local folder (config.json + *.safetensors)")
+
+
 def resolve_hf_folder(hf_path: str) -> str:
     """``hf_path`` if it is a local HF checkpoint folder; else a hub id, downloaded (or found in the HF cache) as
-    a local snapshot: Bridge loads ``checkpoint.pretrained_checkpoint`` only from a local folder."""
+    a local snapshot: Bridge loads ``checkpoint.pretrained_checkpoint`` only from a local folder. A hub id the hub
+    cannot give is a ``HubStudentError`` (one line, the hub's reason shortened)."""
     if is_hf_checkpoint(hf_path):
         return str(hf_path)
     if pathlib.Path(hf_path).exists():
         raise ValueError(f"{hf_path}: a folder without config.json, not a Hugging Face checkpoint")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
 
-    return snapshot_download(hf_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    try:
+        return snapshot_download(hf_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    except (OSError, ValueError, HfHubHTTPError) as error:   # offline / not cached, no such repo, a bad id
+        first = (str(error).strip().splitlines() or [""])[0]
+        reason = f"{type(error).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
+        raise HubStudentError(hf_path, reason) from None
 
 
 def student_provider(hf_path: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1):

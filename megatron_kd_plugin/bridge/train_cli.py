@@ -9,7 +9,8 @@
 With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step (checked to import before anything is
 built; what it lacks is named with the install command: ``pip install 'megatron_kd_plugin[gpu]'``, docs/bridge.md);
 without CUDA the same config runs under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``).
-``--hf-path`` gives a recipe that takes a Hugging Face student (``hf_path``) its folder or hub id. ``--config-file`` merges a YAML of
+``--hf-path`` gives a recipe that takes a Hugging Face student (``hf_path``) its folder or hub id, ``--seq-length``
+the sequence length (the recipe's ``seq_length``, else both seq_length overrides); ``plan`` takes the same arguments. ``--config-file`` merges a YAML of
 overrides first (it may name the plugin's classes as ``_target_``). An override naming an unknown field, an
 unknown recipe or a bad cache stops the run before step one with the reason.
 """
@@ -20,20 +21,46 @@ import argparse
 import sys
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that make a config, shared by ``train`` and ``plan`` (so a plan is of the run it plans)."""
+    parser.add_argument("--recipe", help="recipe function name (train --list shows them)")
+    parser.add_argument("--config-file", help="YAML of overrides merged before the command-line ones")
+    parser.add_argument("--hf-path", help="the student's Hugging Face checkpoint, a local folder (config.json + "
+                                          "*.safetensors) or a hub id, for recipes that take one")
+    parser.add_argument("--seq-length", type=int, help="tokens per sample: the recipe's seq_length when it takes "
+                        "one, else model.seq_length=N dataset.seq_length=N (the cache's must be a multiple of it)")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. train.train_iters=100")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron_kd_plugin train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", help="recipe function name (--list shows them)")
-    parser.add_argument("--config-file", help="YAML of overrides merged before the command-line ones")
     parser.add_argument("--list", action="store_true", help="print the recipe names and exit")
-    parser.add_argument("--hf-path", help="the student's Hugging Face checkpoint (folder or hub id), for recipes "
-                                          "that take one")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. train.train_iters=100")
+    add_config_arguments(parser)
     return parser.parse_args(argv)
 
 
-def build_config(recipe: str, overrides: list[str], config_file: str | None = None, hf_path: str | None = None):
+def _call_recipe(recipe: str, fn, kwargs: dict):
+    """``fn(**kwargs)``; a default student that is a hub id the hub cannot give becomes one line saying so."""
+    import inspect
+
+    from megatron_kd_plugin.bridge.student import HubStudentError
+
+    try:
+        return fn(**kwargs)
+    except HubStudentError as error:
+        if "hf_path" in kwargs:
+            raise
+        default = inspect.signature(fn).parameters["hf_path"].default
+        raise ValueError(f"recipe {recipe}: its default student {default!r} is a Hugging Face hub id and could not be "
+                         f"fetched ({error.reason}); --hf-path takes a local folder (config.json + *.safetensors)"
+                         ) from None
+
+
+def build_config(recipe: str, overrides: list[str], config_file: str | None = None, hf_path: str | None = None,
+                 seq_length: int | None = None):
     """The recipe's config with the YAML file and the overrides applied (ValueError/OverridesError on bad input);
-    ``hf_path`` is passed to a recipe that takes one (and refused by one that does not)."""
+    ``hf_path`` is passed to a recipe that takes one (and refused by one that does not); ``seq_length`` to a recipe
+    that takes one, else it becomes the ``model.seq_length`` / ``dataset.seq_length`` overrides (before the others)."""
     import inspect
 
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
@@ -44,12 +71,20 @@ def build_config(recipe: str, overrides: list[str], config_file: str | None = No
     register()
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}")
+    parameters = inspect.signature(RECIPES[recipe]).parameters
     kwargs = {}
     if hf_path is not None:
-        if "hf_path" not in inspect.signature(RECIPES[recipe]).parameters:
+        if "hf_path" not in parameters:
             raise ValueError(f"--hf-path={hf_path}: recipe {recipe} builds its own student (it takes no hf_path)")
         kwargs["hf_path"] = hf_path
-    return process_config_with_overrides(RECIPES[recipe](**kwargs), config_filepath=config_file,
+    if seq_length is not None:
+        if seq_length < 1:
+            raise ValueError(f"--seq-length={seq_length}: must be >= 1")
+        if "seq_length" in parameters:
+            kwargs["seq_length"] = seq_length
+        else:
+            overrides = [f"model.seq_length={seq_length}", f"dataset.seq_length={seq_length}", *overrides]
+    return process_config_with_overrides(_call_recipe(recipe, RECIPES[recipe], kwargs), config_filepath=config_file,
                                          cli_overrides=overrides)
 
 
@@ -67,13 +102,6 @@ def import_pretrain():
         raise ImportError(f"Megatron-Bridge's pretrain() cannot import {missing!r}: install {package} (on a CUDA "
                           "machine: pip install 'megatron_kd_plugin[gpu]', see docs/bridge.md)") from error
     return pretrain
-
-
-def print_history(history: list[dict]) -> None:
-    keys = list(history[0])
-    print(" | ".join(f"{k:>12}" for k in keys))
-    for row in history:
-        print(" | ".join(f"{row[k]:>12.6g}" if isinstance(row[k], float) else f"{row[k]:>12}" for k in keys))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pretrain = import_pretrain() if torch.cuda.is_available() else None   # GPU installs only: before any work
-        cfg = build_config(args.recipe, args.overrides, args.config_file, args.hf_path)
+        cfg = build_config(args.recipe, args.overrides, args.config_file, args.hf_path, args.seq_length)
         check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
     except (ImportError, ValueError, OverridesError) as error:
         print(f"train: error: {error}", file=sys.stderr)
@@ -107,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
 
-    _, history = train_on_cpu(cfg, kd_forward_step)
-    if dist.get_rank() == 0:
-        print_history(history)
+    train_on_cpu(cfg, kd_forward_step)   # logs every logger.log_interval steps; history.jsonl in tensorboard_dir
     dist.destroy_process_group()
     return 0
 

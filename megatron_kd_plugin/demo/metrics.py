@@ -52,18 +52,36 @@ class _Sums:
                     ece=ece, tokens=self.tokens)
 
 
-def full_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Dense next-token log-probs of a TP=1 GPTModel for inputs ``tokens`` [b, s]; returns [b*s, V] float32."""
-    logits = model(tokens, *causal_inputs(tokens))                       # [b, s, V]
-    return torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+def gpt_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, V] of a TP=1 megatron-core GPTModel for inputs ``tokens`` [b, s]."""
+    return model(tokens, *causal_inputs(tokens))
+
+
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, V] of a transformers causal LM (its own forward and causal mask) for ``tokens`` [b, s]."""
+    return model(input_ids=tokens).logits
+
+
+def full_logprobs(model: torch.nn.Module, tokens: torch.Tensor, logits_fn=gpt_logits) -> torch.Tensor:
+    """Dense next-token log-probs for inputs ``tokens`` [b, s]; returns [b*s, V] float32."""
+    return torch.log_softmax(logits_fn(model, tokens).float(), dim=-1).flatten(0, 1)
+
+
+def unigram_perplexity(train_tokens: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
+    """Held-out perplexity of the train split's token frequencies (add-one smoothed over ``vocab_size`` ids): the
+    baseline a language model must beat to have learnt anything beyond frequencies."""
+    counts = torch.bincount(train_tokens.flatten(), minlength=vocab_size).double() + 1.0
+    logp = counts.log() - counts.sum().log()
+    return float(torch.exp(-logp[targets.flatten()].mean()))
 
 
 @torch.no_grad()
 def evaluate(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, samples: torch.Tensor, *,
-             micro_batch_size: int = 8, desc: str = "evaluate") -> dict[str, dict[str, float]]:
+             micro_batch_size: int = 8, desc: str = "evaluate", logits_fn=gpt_logits) -> dict[str, dict[str, float]]:
     """Perplexity, KL(teacher‖model) and ECE of each model (and of the teacher, under "teacher").
 
-    All models run at TP=1 in eval mode; ``samples`` [N, S+1] int64. Returns {name: metrics}.
+    All models run in eval mode, through ``logits_fn(model, inputs) -> [b, s, V]`` (``gpt_logits``: TP=1
+    GPTModels; ``hf_logits``: transformers models); ``samples`` [N, S+1] int64. Returns {name: metrics}.
     """
     if samples.ndim != 2 or samples.shape[1] < 2:
         raise ValueError(f"samples must be [N, S+1] with S >= 1, got shape {tuple(samples.shape)}")
@@ -75,9 +93,10 @@ def evaluate(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, sampl
     for start in tqdm(range(0, len(samples), micro_batch_size), desc=desc, unit="batch"):
         batch = samples[start:start + micro_batch_size]
         inputs, targets = batch[:, :-1], batch[:, 1:].reshape(-1)
-        teacher_lp = full_logprobs(teacher, inputs)
+        teacher_lp = full_logprobs(teacher, inputs, logits_fn)
         for name, model in everyone.items():
-            sums[name].add(teacher_lp if model is teacher else full_logprobs(model, inputs), targets, teacher_lp)
+            sums[name].add(teacher_lp if model is teacher else full_logprobs(model, inputs, logits_fn), targets,
+                           teacher_lp)
     for name, m in everyone.items():
         m.train(was_training[name])
     return {name: s.result() for name, s in sums.items()}

@@ -1,27 +1,32 @@
-"""The main job: distil a small GPT teacher into a smaller student through the offline top-K cache, end to end.
+"""The main job: heal a compressed Hugging Face model from a cached Hugging Face teacher, end to end, on CPU.
 
-    python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite]
+    python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite] [--seed N]
                                       [--corpus FOLDER_OR_JSONL [--text-key text]]
+    python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
 
-Stages (all on CPU; everything lands under one output folder):
+Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
+user runs them, and are written to ``commands.sh``):
 
-1. data      the running interpreter's stdlib sources, or with ``--corpus`` a folder of text files (one document
-             each) or a JSONL file (one document per line), split by whole document; a BPE tokenizer trained on
-             the train split; Megatron indexed datasets (``data/``, see ``megatron_kd_plugin.demo.data``);
-2. teacher   a megatron-core GPTModel (``megatron_kd_plugin.gpt``) trained with cross entropy in this process
-             (TP=1), saved with ``save_gpt`` (``teacher/``);
-3. cache     its top-K (default 100) over the student's training samples, by the cache command
-             (``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache``) at TP=2 (``cache.zarr``);
-4. students  two students of the same architecture, steps, batches, learning-rate schedule and seed, both
-             trained by the Megatron-Bridge CPU path (the tiny KD recipe + ``train_on_cpu`` + the fused loss):
-             ``kd`` on the cache (forward KL, ghost tail, mixed with hard labels at ``kd_alpha``) and
-             ``ce`` on the same tokens with hard labels only (alpha = 0);
-5. eval      held-out perplexity, KL(teacher ‖ model) over the full vocabulary and ECE, dense, for the teacher
-             and both students (``metrics.json``, ``results.md``), loss curves (``loss_curves.png``).
+1. data      the running interpreter's stdlib sources, or ``--corpus`` a folder of text files / a JSONL file,
+             split by whole document; a BPE tokenizer trained on the train split; Megatron indexed datasets
+             (``data/``, ``megatron_kd_plugin.demo.data``);
+2. teacher   a Qwen3 (transformers: random init, cross entropy on the train split, ``save_pretrained``) with the
+             tokenizer beside it (``teacher/``);
+3. compress  the teacher pruned in depth and width (``megatron_kd_plugin.demo.hf.compress``): the student to
+             heal, a HF folder (``student_pruned/``);
+4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 ...``: the teacher's
+             top-K over the samples the students will read (``cache.zarr``);
+5. plan      ``python -m megatron_kd_plugin plan`` with the heal's own arguments (``plan.txt``);
+6. heal      ``python -m megatron_kd_plugin train --recipe hf_student_kd_cpu_fp32_config --hf-path student_pruned/``
+             twice from the same pruned weights, tokens, steps, schedule and seed: ``heal_kd/`` with the cache's
+             KD loss, ``heal_ce/`` with hard labels only (``kd.alpha=0``); each checkpoint also holds the healed
+             student as a HF folder, copied to ``healed_kd/`` / ``healed_ce/``;
+7. eval      every model (teacher, pruned, KD-healed, CE-healed) loaded by transformers from its folder: held-out
+             perplexity, KL(teacher ‖ model) over the full vocabulary and ECE, with the unigram baseline
+             (``metrics.json``, ``results.md``, ``results.png``).
 
-The folder must not exist (or be empty) unless ``--overwrite`` is given; a corpus that cannot make the data
-(missing, no text, too little for the sizes) is refused before the folder is touched. The same seed gives the
-same numbers on the same machine and package set.
+The folder must not exist (or be empty) unless ``--overwrite`` is given; a corpus that cannot make the data is
+refused before the folder is touched. The same seed gives the same numbers on the same machine and package set.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,234 +44,267 @@ import time
 
 import torch
 
-from megatron_kd_plugin.demo.data import (TEXT_SUFFIXES, CorpusConfig, CorpusError, DemoCorpus, padded_vocab_size,
-                                         token_windows, tokenize_corpus)
+from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows, tokenize_corpus
+from megatron_kd_plugin.demo.hf import Qwen3Shape
+from megatron_kd_plugin.demo.scratch import check_output, prepare_output
 
-STUDENT_RECIPE = "tiny_gpt_kd_cpu_fp32_config"
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class ModelSize:
-    """A GPT's shape (the rest of the architecture is ``megatron_kd_plugin.gpt``'s / the recipe's default)."""
-
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Model width."""
-    num_attention_heads: int
-    """Attention heads (divisible by the TP size)."""
-    ffn_hidden_size: int
-    """MLP width."""
+HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
+MODELS = ("teacher", "pruned", "healed KD", "healed CE")
+"""The evaluated models, in table order (``pruned``: the compressed student before healing)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class DemoConfig:
+class HealConfig:
     """Everything the demo does; ``PRESETS`` holds the tested sizes."""
 
     seed: int = 1234
     """Seed of every random choice (initialisation, batch order)."""
     corpus: CorpusConfig = CorpusConfig()
     """The text (the stdlib sources unless ``corpus.source``), its splits and its tokenizer."""
-    seq_length: int = 256
-    """Tokens per sample, for the teacher, the cache and the students."""
-    teacher: ModelSize = ModelSize(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024)
-    """Teacher shape."""
-    student: ModelSize = ModelSize(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512)
-    """Student shape (both students)."""
-    teacher_steps: int = 300
+    seq_length: int = 128
+    """Tokens per sample: teacher, cache, heal, eval."""
+    teacher: Qwen3Shape = Qwen3Shape(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=768)
+    """The teacher's shape."""
+    teacher_steps: int = 400
     """Teacher optimizer steps."""
-    student_steps: int = 150
-    """Optimizer steps of each student (the budget both students share)."""
-    micro_batch_size: int = 8
-    """Samples per step, teacher and students."""
     teacher_lr: float = 3e-3
-    """Teacher peak learning rate."""
-    student_lr: float = 3e-3
-    """Students' learning rate (the tiny CPU recipe's schedule: warm-up, then constant)."""
+    """Teacher peak learning rate (AdamW, warm-up then cosine)."""
+    micro_batch_size: int = 8
+    """Samples per step, teacher and heals."""
+    keep_layers: tuple[int, ...] = (0, 3)
+    """The teacher's layers the student keeps (depth pruning)."""
+    mlp_keep: float = 0.5
+    """Share of each kept MLP's channels the student keeps (width pruning, by activation)."""
+    calibration_samples: int = 16
+    """Train samples whose activations rank the MLP channels."""
+    heal_steps: int = 100
+    """Optimizer steps of each heal (the budget KD and CE share)."""
+    heal_lr: float = 3e-4
+    """Heals' peak learning rate (10 % warm-up, then cosine to a tenth). 1e-3 moved both heals away from the teacher
+    (KL above the pruned student's, and the CE heal's perplexity too: docs/demo.md)."""
     topk: int = 100
     """Teacher top-K cached per token."""
     kd_alpha: float = 0.5
-    """The KD student's loss: kd_alpha * KD + (1 - kd_alpha) * CE. With a small, high-entropy teacher the top-100
-    holds only ~3/4 of its mass; the hard labels then shape the student's tail (alpha = 1 leaves it unshaped)."""
+    """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0)."""
     cache_tp: int = 2
     """Tensor-parallel size (= processes) of the caching run."""
-    eval_samples: int = 32
+    eval_samples: int = 64
     """Held-out samples evaluated (each ``seq_length`` tokens)."""
 
     def __post_init__(self):
-        for name in ("seq_length", "teacher_steps", "student_steps", "micro_batch_size", "topk", "cache_tp",
-                     "eval_samples"):
+        for name in ("seq_length", "teacher_steps", "heal_steps", "micro_batch_size", "topk", "cache_tp",
+                     "eval_samples", "calibration_samples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"HealConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kd_alpha <= 1:
-            raise ValueError(f"DemoConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
+            raise ValueError(f"HealConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
 
     @property
     def cache_samples(self) -> int:
-        """Samples the students consume: one epoch of cached samples, nothing cached in vain."""
-        return self.student_steps * self.micro_batch_size
+        """Samples the heals consume: one epoch of cached samples, nothing cached in vain."""
+        return self.heal_steps * self.micro_batch_size
 
     def corpus_needs(self) -> dict[str, tuple[int, str]]:
-        """Tokens each split must hold, and why: the cache reads ``cache_samples`` windows of the train split,
-        the eval ``eval_samples`` windows of the held-out one (windows overlap by one token)."""
+        """Tokens each split must hold, and why (windows overlap by one token)."""
         return {"train": (self.cache_samples * self.seq_length + 1,
-                          f"{self.cache_samples:,} cached samples = {self.student_steps} student steps x "
+                          f"{self.cache_samples:,} cached samples = {self.heal_steps} heal steps x "
                           f"{self.micro_batch_size} per batch, of {self.seq_length} tokens, + 1; or lower "
-                          "--student-steps"),
+                          "--heal-steps"),
                 "heldout": (self.eval_samples * self.seq_length + 1,
                             f"{self.eval_samples} eval samples of {self.seq_length} tokens + 1; the held-out "
                             f"split takes one document in {self.corpus.heldout_every}")}
 
 
 PRESETS = {
-    "default": DemoConfig(),
-    # the quality benchmark's size (docs/demo.md). A 512-id vocabulary and 1,200 teacher steps give a teacher as
-    # confident as a large LM is over its own vocabulary (~98% of its held-out mass in its top-100); the top-K
-    # route's gap to dense KD grows with the mass outside the top-K (docs/demo.md)
-    "small": DemoConfig(
-        corpus=CorpusConfig(vocab_size=512, train_bytes=3_000_000, heldout_bytes=400_000),
-        seq_length=128,
-        teacher=ModelSize(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512),
-        student=ModelSize(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256),
-        teacher_steps=1200, student_steps=100, micro_batch_size=8, eval_samples=256),
-    # seconds, for tests: same stages, toy sizes
-    "mini": DemoConfig(
+    "default": HealConfig(),
+    # for tests: same stages and commands, toy sizes; 200 teacher steps of 4 x 32 tokens put the teacher well below
+    # the unigram baseline (perplexity ~104 against ~197), so pruning costs it something to heal
+    "mini": HealConfig(
         corpus=CorpusConfig(vocab_size=512, train_bytes=150_000, heldout_bytes=30_000),
         seq_length=32,
-        teacher=ModelSize(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),
-        student=ModelSize(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64),
-        teacher_steps=20, student_steps=10, micro_batch_size=4, topk=16, eval_samples=4),
+        teacher=Qwen3Shape(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128),
+        teacher_steps=200, keep_layers=(1,), mlp_keep=0.5, calibration_samples=4, heal_steps=8, micro_batch_size=4,
+        topk=16, eval_samples=4),
 }
 
 
-def _output_in_use(folder: pathlib.Path) -> bool:
-    return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
+def run_command(command: list[str], log: pathlib.Path, commands: pathlib.Path, *, threads: int | None = None,
+                ) -> None:
+    """Run one of the package's commands as a user would (``python -m megatron_kd_plugin ...``), its output shown
+    and kept in ``log``, the command appended to ``commands``; CalledProcessError when it fails."""
+    from megatron_kd_plugin.demo.train import free_port
+
+    shown = " ".join(shlex.quote(part) for part in ["python", *command[1:]])
+    print(f"[demo] {shown}", flush=True)
+    with commands.open("a") as f:
+        f.write(shown + "\n")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))   # the user's setting wins
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            out.write(line)
+            sys.stdout.write("    " + line)
+        if process.wait():
+            sys.stdout.flush()
+            raise subprocess.CalledProcessError(process.returncode, shown)
 
 
-def check_output(folder: pathlib.Path, overwrite: bool) -> None:
-    """FileExistsError if ``folder`` holds anything and ``overwrite`` is off; touches nothing."""
-    if _output_in_use(folder) and not overwrite:
-        raise FileExistsError(f"output folder {folder} already exists and is not empty: pass --overwrite to "
-                              "replace it, or choose another --output")
+def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
+    """The Qwen3 teacher trained with cross entropy on the train split (this process), saved with its tokenizer."""
+    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo.train import TrainConfig, hf_ce_step, micro_batches, train
 
-
-def prepare_output(folder: pathlib.Path, overwrite: bool) -> None:
-    """Creates ``folder``; an existing non-empty one is an error unless ``overwrite`` (then it is emptied)."""
-    check_output(folder, overwrite)
-    if _output_in_use(folder):
-        shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
-
-
-def _gpt_spec(size: ModelSize, cfg: DemoConfig, vocab_size: int):
-    from megatron_kd_plugin.gpt import GPTSpec
-
-    return GPTSpec(**dataclasses.asdict(size), vocab_size=vocab_size, seq_length=cfg.seq_length)
-
-
-def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
-    """Trains the teacher with cross entropy on the train split (this process, TP=1); saves it to ``folder``."""
-    from megatron_kd_plugin.demo.train import TrainConfig, ce_step, micro_batches, train
-    from megatron_kd_plugin.gpt import build_gpt, save_gpt
-
-    spec = _gpt_spec(cfg.teacher, cfg, padded_vocab_size(corpus.vocab_size))
-    model = build_gpt(spec, tp_size=1)
+    model = hf.new_teacher(cfg.teacher, corpus.vocab_size, cfg.seq_length, corpus.eod_id, cfg.seed)
     samples = token_windows(corpus.train_prefix, cfg.seq_length)
     train_cfg = TrainConfig(steps=cfg.teacher_steps, micro_batch_size=cfg.micro_batch_size, lr=cfg.teacher_lr)
-    history = train(model, ce_step(model, samples, micro_batches(samples, cfg.micro_batch_size, cfg.seed)),
+    history = train(model, hf_ce_step(model, samples, micro_batches(samples, cfg.micro_batch_size, cfg.seed)),
                     train_cfg, desc="teacher (CE)")
-    save_gpt(model, spec, folder)
-    return model, history
+    model.eval().save_pretrained(folder)
+    hf.save_tokenizer(corpus.tokenizer_path, folder)
+    return history
 
 
-def cache_teacher(cfg: DemoConfig, corpus: DemoCorpus, teacher: pathlib.Path, store: pathlib.Path, *,
-                  sample: int | None = None, proposal_temperature: float = 1.0) -> None:
-    """Runs the cache command (``python -m megatron_kd_plugin cache`` through torchrun's ``-m``: the package as this
-    environment imports it, installed or not) at TP = ``cfg.cache_tp`` on the first ``cfg.cache_samples`` samples:
-    the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn per token from the teacher at
-    ``proposal_temperature`` (a sampled store)."""
-    mode = (["--topk", str(cfg.topk)] if sample is None
-            else ["--sample", str(sample), "--proposal-temperature", str(proposal_temperature)])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
-               "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
-               "--tokenizer", str(corpus.tokenizer_path), "--output", str(store),
-               "--seq-length", str(cfg.seq_length), *mode, "--tp", str(cfg.cache_tp),
-               "--num-samples", str(cfg.cache_samples), "--micro-batch-size", str(cfg.micro_batch_size)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // cfg.cache_tp)))
-    print("[demo] " + " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True, env=env)
+def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, folder: pathlib.Path) -> dict:
+    """The pruned student (``hf.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
+    from megatron_kd_plugin.demo import hf
+
+    teacher = hf.load(teacher_folder)
+    calibration = token_windows(corpus.train_prefix, cfg.seq_length)[-cfg.calibration_samples:, :-1]
+    student = hf.compress(teacher, cfg.keep_layers, cfg.mlp_keep, calibration)
+    student.save_pretrained(folder)
+    hf.save_tokenizer(corpus.tokenizer_path, folder)
+    return {"teacher": hf.parameter_count(teacher), "student": hf.parameter_count(student)}
 
 
-def student_overrides(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *,
-                      alpha: float) -> list[str]:
-    """Bridge overrides that turn the tiny CPU KD recipe into one demo student (``alpha=0``: hard labels only)."""
-    s = cfg.student
-    return [f"model.num_layers={s.num_layers}", f"model.hidden_size={s.hidden_size}",
-            f"model.num_attention_heads={s.num_attention_heads}", f"model.ffn_hidden_size={s.ffn_hidden_size}",
-            f"model.vocab_size={vocab_size}", f"model.seq_length={cfg.seq_length}",
-            f"dataset.cache_path={store}", f"dataset.seq_length={cfg.seq_length}", f"dataset.seed={cfg.seed}",
-            "dataset.num_workers=0",
-            f"train.train_iters={cfg.student_steps}", f"train.global_batch_size={cfg.micro_batch_size}",
-            f"train.micro_batch_size={cfg.micro_batch_size}",
-            f"optimizer.lr={cfg.student_lr}",   # the recipe keeps it constant after the warm-up
-            f"scheduler.lr_warmup_iters={min(10, cfg.student_steps // 2)}",
-            f"kd.alpha={alpha}", f"rng.seed={cfg.seed}",
-            f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"checkpoint.save={run_dir / 'checkpoints'}"]
+def package_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_kd_plugin", *args]
 
 
-def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *, alpha: float):
-    """One student through the recipe + CPU loop (this process, TP=1); returns (model, history)."""
-    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-    from megatron_kd_plugin.bridge.train_cli import build_config   # recipe + overrides, exactly as the train command
-
-    config = build_config(STUDENT_RECIPE, student_overrides(cfg, store, vocab_size, run_dir, alpha=alpha))
-    models, history = train_on_cpu(config)
-    return models[0], history
+def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
+            "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
+            "--output", str(store), "--seq-length", str(cfg.seq_length), "--topk", str(cfg.topk),
+            "--tp", str(cfg.cache_tp), "--num-samples", str(cfg.cache_samples),
+            "--micro-batch-size", str(cfg.micro_batch_size), "--no-progress"]
 
 
-def plot_curves(panels: dict[str, dict[str, list[float]]], path: pathlib.Path) -> None:
-    """Training-loss curves, one panel per {title: {line: values}}: raw values faint, a moving average solid."""
+def heal_arguments(cfg: HealConfig, student: pathlib.Path, store: pathlib.Path, run_dir: pathlib.Path, *,
+                   alpha: float) -> list[str]:
+    """``--recipe ... --hf-path ... --seq-length ...`` and the overrides of one heal (``alpha=0``: CE only)."""
+    return ["--recipe", HEAL_RECIPE, "--hf-path", str(student), "--seq-length", str(cfg.seq_length),
+            f"dataset.cache_path={store}", f"dataset.seed={cfg.seed}", f"rng.seed={cfg.seed}",
+            f"train.train_iters={cfg.heal_steps}", f"train.global_batch_size={cfg.micro_batch_size}",
+            f"train.micro_batch_size={cfg.micro_batch_size}", f"optimizer.lr={cfg.heal_lr}",
+            f"optimizer.min_lr={cfg.heal_lr / 10}", f"scheduler.lr_warmup_iters={max(1, cfg.heal_steps // 10)}",
+            f"kd.alpha={alpha}", f"checkpoint.save={run_dir / 'checkpoints'}",
+            f"checkpoint.load={run_dir / 'checkpoints'}", f"checkpoint.save_interval={cfg.heal_steps}",
+            f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"logger.log_interval={max(1, cfg.heal_steps // 10)}"]
+
+
+def exported_student(run_dir: pathlib.Path, steps: int) -> pathlib.Path:
+    """The HF folder the heal's last checkpoint holds (Bridge's ``iter_NNNNNNN/hf``)."""
+    folder = run_dir / "checkpoints" / f"iter_{steps:07d}" / "hf"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: the heal exported no HF student there")
+    return folder
+
+
+@torch.no_grad()
+def evaluate_folders(cfg: HealConfig, corpus, folders: dict[str, pathlib.Path]) -> dict:
+    """Every model loaded by transformers from its folder, evaluated against the teacher on held-out text, plus the
+    unigram baseline of the train split."""
+    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo.metrics import evaluate, hf_logits, unigram_perplexity
+
+    heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
+    models = {name: hf.load(folder) for name, folder in folders.items()}
+    teacher = models.pop("teacher")
+    metrics = evaluate(models, teacher, heldout, micro_batch_size=cfg.micro_batch_size, logits_fn=hf_logits)
+    train_tokens = token_windows(corpus.train_prefix, cfg.seq_length).flatten()
+    metrics["unigram"] = {"perplexity": unigram_perplexity(train_tokens, heldout[:, 1:], corpus.vocab_size)}
+    return metrics
+
+
+def plot_results(metrics: dict, histories: dict[str, list[dict]], path: pathlib.Path) -> None:
+    """Three panels: the heals' training CE, the KD heal's KD term, held-out perplexity and KL per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for ax, (title, curves) in zip(axes[0], panels.items()):
-        for name, values in curves.items():
-            y = torch.tensor(values, dtype=torch.float64)
-            window = max(1, min(10, len(y) // 5))
-            smooth = torch.nn.functional.avg_pool1d(y[None, None], window, stride=1).flatten()
-            (raw,) = ax.plot(range(len(y)), y.numpy(), alpha=0.25)
-            ax.plot(range(window - 1, len(y)), smooth.numpy(), label=name, color=raw.get_color())
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats/token")
-        ax.set_title(title)
-        ax.legend()
-        ax.grid(alpha=0.3)
+    from megatron_kd_plugin.demo.scratch import draw_curves
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
+    draw_curves(axes[0], "heal: training cross entropy (hard labels)",
+                {f"{name} heal": [row["lm loss"] for row in rows] for name, rows in histories.items()})
+    draw_curves(axes[1], "KD heal: forward KL to the cached top-K (ghost tail)",
+                {"KD heal": [row["kd loss"] for row in histories["KD"]]})
+    ax = axes[2]
+    x = torch.arange(len(MODELS)).numpy()
+    bars = ax.bar(x - 0.2, [metrics[m]["perplexity"] for m in MODELS], 0.4, label="held-out perplexity")
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.axhline(metrics["unigram"]["perplexity"], color="grey", linestyle="--", label="unigram perplexity")
+    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (log scale)")
+    twin = ax.twinx()
+    kl = twin.bar(x + 0.2, [metrics[m]["kl_to_teacher"] for m in MODELS], 0.4, color="tab:orange",
+                  label="KL(teacher ‖ model)")
+    twin.bar_label(kl, fmt="%.3f", fontsize=8)
+    twin.set_ylabel("KL(teacher ‖ model), nats/token")
+    ax.set_xticks(x, MODELS)
+    ax.set_title("held-out text, evaluated by transformers")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def results_table(metrics: dict[str, dict[str, float]], seconds: dict[str, float]) -> str:
-    """The final table (markdown): held-out perplexity, KL(teacher ‖ model), ECE, then stage times."""
+def outcome(metrics: dict) -> dict[str, float]:
+    """KD heal against CE heal (relative change of perplexity and KL), and the teacher against the unigram."""
+    kd, ce = metrics["healed KD"], metrics["healed CE"]
+    return {"kd_vs_ce_perplexity": kd["perplexity"] / ce["perplexity"] - 1,
+            "kd_vs_ce_kl": kd["kl_to_teacher"] / ce["kl_to_teacher"] - 1,
+            "teacher_vs_unigram_perplexity": metrics["teacher"]["perplexity"] / metrics["unigram"]["perplexity"] - 1,
+            "teacher_vs_ce_perplexity": metrics["teacher"]["perplexity"] / ce["perplexity"] - 1}
+
+
+def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[str, float]) -> str:
+    """The final table (markdown): one row per model, the unigram baseline, the verdict, then stage times."""
+    shapes = {"teacher": f"{cfg.teacher.num_hidden_layers} layers, MLP {cfg.teacher.intermediate_size}, "
+                         f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
+              "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
+                        f", {params['student'] / 1e6:.2f}M params",
+              "healed KD": f"{cfg.heal_steps} steps, alpha {cfg.kd_alpha}, top-{cfg.topk}",
+              "healed CE": f"{cfg.heal_steps} steps, alpha 0"}
     lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
-    for name, m in metrics.items():
-        lines.append(f"| {name} | {m['perplexity']:.3f} | {m['kl_to_teacher']:.4f} | {m['ece']:.4f} |")
+    for name in MODELS:
+        m = metrics[name]
+        lines.append(f"| {name} ({shapes[name]}) | {m['perplexity']:.3f} | {m['kl_to_teacher']:.4f} | "
+                     f"{m['ece']:.4f} |")
+    lines.append(f"| unigram (train-split token frequencies) | {metrics['unigram']['perplexity']:.3f} | | |")
+    o = outcome(metrics)
+    closer = o["kd_vs_ce_perplexity"] < 0 and o["kd_vs_ce_kl"] < 0
+    lines += ["", f"KD heal vs CE heal at the same budget: perplexity {o['kd_vs_ce_perplexity']:+.1%}, KL to the "
+                  f"teacher {o['kd_vs_ce_kl']:+.1%}: the KD-healed student is "
+                  f"{'closer to the teacher in both' if closer else 'NOT closer to the teacher in both'}.",
+              f"Teacher perplexity {o['teacher_vs_unigram_perplexity']:+.1%} against the unigram baseline, "
+              f"{o['teacher_vs_ce_perplexity']:+.1%} against the CE-healed student."]
     lines += ["", "| stage | seconds |", "|---|---:|"]
     lines += [f"| {stage} | {s:.1f} |" for stage, s in seconds.items()]
     return "\n".join(lines)
 
 
-def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
-    """All stages into ``output``; returns {"metrics": ..., "seconds": ...}.
+def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
+    """All stages into ``output``; returns {"metrics", "outcome", "params", "seconds"}.
 
     ``output`` is refused (FileExistsError) if it holds anything and ``overwrite`` is off, and the corpus
     (CorpusError) if it cannot make the data; both before ``output`` is touched.
     """
-    from megatron_kd_plugin.demo.metrics import evaluate
-    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.bridge.cpu_log import read_history
 
     seconds: dict[str, float] = {}
 
@@ -279,36 +318,44 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) 
     check_output(output, overwrite)
     tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
     prepare_output(output, overwrite)
+    output = output.resolve()
     (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    commands = output / "commands.sh"
+    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
     corpus = tokenized.save(output / "data")
-    vocab = padded_vocab_size(corpus.vocab_size)
-    store = output / "cache.zarr"
-    with single_process_megatron(cfg.seed):
-        teacher, teacher_history = stage("teacher", train_teacher, cfg, corpus, output / "teacher")
-        stage("cache", cache_teacher, cfg, corpus, output / "teacher", store)
-        kd, kd_history = stage("student kd", train_student, cfg, store, vocab, output / "student_kd",
-                               alpha=cfg.kd_alpha)
-        ce, ce_history = stage("student ce", train_student, cfg, store, vocab, output / "student_ce", alpha=0.0)
-        heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
-        metrics = stage("eval", evaluate, {"student from cache (KD)": kd, "student CE only": ce}, teacher, heldout,
-                        micro_batch_size=cfg.micro_batch_size)
-    panels = {"training cross entropy": {"teacher": [h["loss"] for h in teacher_history],
-                                         "student KD (its CE term)": [h["lm loss"] for h in kd_history],
-                                         "student CE only": [h["lm loss"] for h in ce_history]},
-              "student KD: forward KL to the cached top-K (ghost)": {"student KD": [h["kd loss"] for h in kd_history]}}
-    (output / "history.json").write_text(json.dumps(
-        {"teacher": teacher_history, "student_kd": kd_history, "student_ce": ce_history}) + "\n")
-    plot_curves(panels, output / "loss_curves.png")
+    teacher, pruned, store = output / "teacher", output / "student_pruned", output / "cache.zarr"
+    teacher_history = stage("teacher", train_teacher, cfg, corpus, teacher)
+    params = stage("compress", compress_teacher, cfg, corpus, teacher, pruned)
+    stage("cache", run_command, cache_command(cfg, corpus, teacher, store), output / "cache.log", commands,
+          threads=max(1, (os.cpu_count() or 1) // cfg.cache_tp))
+    plan_args = heal_arguments(cfg, pruned, store, output / "heal_kd", alpha=cfg.kd_alpha)
+    stage("plan", run_command, package_command("plan", *plan_args), output / "plan.txt", commands)
+    folders = {"teacher": teacher, "pruned": pruned}
+    histories = {}
+    for name, alpha in (("KD", cfg.kd_alpha), ("CE", 0.0)):
+        run_dir = output / f"heal_{name.lower()}"
+        stage(f"heal {name}", run_command, package_command("train", *heal_arguments(cfg, pruned, store, run_dir,
+                                                                                     alpha=alpha)),
+              output / f"heal_{name.lower()}.log", commands)
+        folders[f"healed {name}"] = output / f"healed_{name.lower()}"
+        shutil.copytree(exported_student(run_dir, cfg.heal_steps), folders[f"healed {name}"])
+        histories[name] = read_history(run_dir / "tb_logs")
+    metrics = stage("eval", evaluate_folders, cfg, corpus, folders)
+    (output / "history.json").write_text(json.dumps({"teacher": teacher_history, "heal_kd": histories["KD"],
+                                                     "heal_ce": histories["CE"]}) + "\n")
+    plot_results(metrics, histories, output / "results.png")
     seconds["total"] = sum(seconds.values())
-    result = {"metrics": metrics, "seconds": seconds}
+    result = {"metrics": metrics, "outcome": outcome(metrics), "params": params, "seconds": seconds}
     (output / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-    (output / "results.md").write_text(results_table(metrics, seconds) + "\n")
+    (output / "results.md").write_text(results_table(cfg, metrics, params, seconds) + "\n")
     return result
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--from-scratch", action="store_true", help="the first demo instead: a GPT teacher and "
+                        "students trained from random weights (demo --from-scratch --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -319,14 +366,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
-    parser.add_argument("--student-steps", type=int, help="override the preset's student steps")
+    parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--from-scratch" in argv:
+        from megatron_kd_plugin.demo import scratch
+
+        return scratch.main([arg for arg in argv if arg != "--from-scratch"])
+    args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
-                                               ("student_steps", args.student_steps)) if value is not None}
+                                               ("heal_steps", args.heal_steps)) if value is not None}
     preset = PRESETS[args.preset]
     try:
         corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key)
@@ -339,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, CorpusError) as error:
         print(f"demo: error: {error}", file=sys.stderr)
         return 2
-    print("\n" + results_table(result["metrics"], result["seconds"]))
-    print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, loss_curves.png)")
+    except subprocess.CalledProcessError as error:
+        print(f"demo: error: `{error.cmd}` failed (exit {error.returncode}); its output is above and in "
+              f"{args.output}/", file=sys.stderr)
+        return 1
+    print("\n" + results_table(cfg, result["metrics"], result["params"], result["seconds"]))
+    print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, results.png, commands.sh; the "
+          "healed students as HF folders in healed_kd/ and healed_ce/)")
     return 0

@@ -1,4 +1,5 @@
-"""The teacher's CPU training loop: cross entropy on token windows, before any cache exists.
+"""The teachers' CPU training loop: cross entropy on token windows, before any cache exists (a megatron-core GPT's,
+``ce_step``, or a transformers model's, ``hf_ce_step``).
 
 Students train through the Megatron-Bridge CPU path (``megatron_kd_plugin.bridge.cpu_train``), which reads a
 teacher cache; the teacher comes first and has none, so it trains here on the same contract: each step calls
@@ -112,7 +113,20 @@ def ce_step(model: torch.nn.Module, samples: torch.Tensor, rows: Callable[[int],
     return step_fn
 
 
-def _free_port() -> int:
+def hf_ce_step(model: torch.nn.Module, samples: torch.Tensor, rows: Callable[[int], torch.Tensor]) -> LossStep:
+    """Hard-label cross entropy of a transformers causal LM on ``samples[rows(step)]`` (its own causal mask)."""
+
+    def step_fn(step: int):
+        batch = samples[rows(step)]
+        inputs, labels = batch[:, :-1], batch[:, 1:]                               # [b, s]
+        logits = model(input_ids=inputs).logits                                    # [b, s, V]
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return loss_sum, torch.tensor(labels.numel()), {}
+
+    return step_fn
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -128,7 +142,7 @@ def single_process_megatron(seed: int) -> Iterator[None]:
     apply_cpu_workarounds()
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     seed_model_parallel(seed)
     try:
