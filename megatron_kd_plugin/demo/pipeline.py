@@ -40,13 +40,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 
 import torch
 
 from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows, tokenize_corpus
 from megatron_kd_plugin.demo.hf import Qwen3Shape
 from megatron_kd_plugin.demo.scratch import check_output, prepare_output
+from megatron_kd_plugin.demo.stages import StageClock, stage_lines
 
 HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
 MODELS = ("teacher", "pruned", "healed KD", "healed CE")
@@ -293,8 +293,7 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
                   f"{'closer to the teacher in both' if closer else 'NOT closer to the teacher in both'}.",
               f"Teacher perplexity {o['teacher_vs_unigram_perplexity']:+.1%} against the unigram baseline, "
               f"{o['teacher_vs_ce_perplexity']:+.1%} against the CE-healed student."]
-    lines += ["", "| stage | seconds |", "|---|---:|"]
-    lines += [f"| {stage} | {s:.1f} |" for stage, s in seconds.items()]
+    lines += stage_lines(seconds)
     return "\n".join(lines)
 
 
@@ -306,14 +305,8 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     """
     from megatron_kd_plugin.bridge.cpu_log import read_history
 
-    seconds: dict[str, float] = {}
-
-    def stage(name, fn, *args, **kwargs):
-        print(f"[demo] {name} ...", flush=True)
-        start = time.perf_counter()
-        value = fn(*args, **kwargs)
-        seconds[name] = time.perf_counter() - start
-        return value
+    stage = StageClock()
+    seconds = stage.seconds
 
     check_output(output, overwrite)
     tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())

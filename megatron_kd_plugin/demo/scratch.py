@@ -37,12 +37,12 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 
 import torch
 
 from megatron_kd_plugin.demo.data import (TEXT_SUFFIXES, CorpusConfig, CorpusError, DemoCorpus, padded_vocab_size,
                                          token_windows, tokenize_corpus)
+from megatron_kd_plugin.demo.stages import StageClock, stage_lines
 
 STUDENT_RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 
@@ -262,8 +262,7 @@ def results_table(metrics: dict[str, dict[str, float]], seconds: dict[str, float
     lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
     for name, m in metrics.items():
         lines.append(f"| {name} | {m['perplexity']:.3f} | {m['kl_to_teacher']:.4f} | {m['ece']:.4f} |")
-    lines += ["", "| stage | seconds |", "|---|---:|"]
-    lines += [f"| {stage} | {s:.1f} |" for stage, s in seconds.items()]
+    lines += stage_lines(seconds)
     return "\n".join(lines)
 
 
@@ -276,14 +275,8 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) 
     from megatron_kd_plugin.demo.metrics import evaluate
     from megatron_kd_plugin.demo.train import single_process_megatron
 
-    seconds: dict[str, float] = {}
-
-    def stage(name, fn, *args, **kwargs):
-        print(f"[demo] {name} ...", flush=True)
-        start = time.perf_counter()
-        value = fn(*args, **kwargs)
-        seconds[name] = time.perf_counter() - start
-        return value
+    stage = StageClock()
+    seconds = stage.seconds
 
     check_output(output, overwrite)
     tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
