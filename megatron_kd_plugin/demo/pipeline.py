@@ -43,9 +43,9 @@ import sys
 
 import torch
 
-from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows, tokenize_corpus
+from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows
 from megatron_kd_plugin.demo.hf import Qwen3Shape
-from megatron_kd_plugin.demo.scratch import check_output, prepare_output
+from megatron_kd_plugin.demo.scratch import start_run
 from megatron_kd_plugin.demo.stages import StageClock, stage_lines
 
 HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
@@ -308,11 +308,8 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     stage = StageClock()
     seconds = stage.seconds
 
-    check_output(output, overwrite)
-    tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
-    prepare_output(output, overwrite)
+    tokenized = start_run(cfg, output, overwrite, stage)
     output = output.resolve()
-    (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
     commands = output / "commands.sh"
     commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
     corpus = tokenized.save(output / "data")

@@ -266,6 +266,16 @@ def results_table(metrics: dict[str, dict[str, float]], seconds: dict[str, float
     return "\n".join(lines)
 
 
+def start_run(cfg, output: pathlib.Path, overwrite: bool, stage: StageClock):
+    """A demo's first steps: ``output`` checked, the corpus tokenized (stage "data"; both before ``output`` is
+    touched), then ``output`` prepared and ``cfg`` written to its config.json; the tokenized corpus."""
+    check_output(output, overwrite)
+    tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
+    prepare_output(output, overwrite)
+    (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    return tokenized
+
+
 def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
     """All stages into ``output``; returns {"metrics": ..., "seconds": ...}.
 
@@ -278,10 +288,7 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) 
     stage = StageClock()
     seconds = stage.seconds
 
-    check_output(output, overwrite)
-    tokenized = stage("data", tokenize_corpus, cfg.corpus, cfg.corpus_needs())
-    prepare_output(output, overwrite)
-    (output / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    tokenized = start_run(cfg, output, overwrite, stage)
     corpus = tokenized.save(output / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     store = output / "cache.zarr"
