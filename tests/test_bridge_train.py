@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.distributed import scaled
+
 VOCAB, SEQ, SAMPLES, K = 256, 32, 16, 8
 STEPS = 4
 
@@ -322,7 +324,7 @@ def test_train_command_logs_each_interval_and_a_killed_run_keeps_its_history_and
                 break
     finally:
         os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+        process.wait(timeout=scaled(60))
     logged = [line for line in lines if line.startswith("iteration")]
     assert [line.split("|")[0].split()[1] for line in logged] == ["2/100000", "4/100000"], "".join(lines[-30:])
     fields = dict(part.strip().split(": ") for part in logged[1].split("|")[1:])

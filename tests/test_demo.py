@@ -23,6 +23,7 @@ from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
 from megatron_kd_plugin.demo.pipeline import MODELS, PRESETS, main
 from megatron_kd_plugin.demo.scratch import prepare_output
 from tests.test_packaging import install_package, outside_repo_env
+from tests.distributed import scaled
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 MINI = PRESETS["mini"]
@@ -266,7 +267,7 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     installed = install_package(tmp_path / "site")
     done = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "demo", "--preset", "mini", "--output",
                            str(folder)], cwd=tmp_path, env=outside_repo_env(installed), capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=scaled(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((folder / "metrics.json").read_text())
     metrics = result["metrics"]
@@ -295,7 +296,7 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
                 if " train " in line and "kd.alpha=0.0" not in line)
     rerun = tmp_path / "rerun"
     arguments = [arg.replace(str(folder / "heal_kd"), str(rerun)) for arg in shlex.split(heal)[1:]]
-    again = subprocess.run([sys.executable, *arguments], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    again = subprocess.run([sys.executable, *arguments], cwd=REPO_ROOT, capture_output=True, text=True, timeout=scaled(600),
                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     from megatron_kd_plugin.bridge.cpu_log import read_history

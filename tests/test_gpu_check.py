@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from tests.distributed import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
@@ -102,7 +103,7 @@ def test_refuses_at_once_naming_the_missing_wheels(tmp_path):
     """No wheels: exit 3 before any venv or stage, naming every wheel of the list and the download command."""
     env = dict(os.environ, KD_GPU_WHEELS=str(tmp_path / "wheels"), OUT=str(tmp_path / "out"),
                KD_GPU_VENV=str(tmp_path / "venv"), KD_PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=scaled(60))
     assert done.returncode == 3, done.stdout + done.stderr
     assert "torch, triton and numpy come from the machine" in done.stdout
     for name, (version, _) in _wheel_list().items():
@@ -154,7 +155,7 @@ def test_rehearsal_on_a_bare_machine(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=str(machine), KD_PYTHON=str(base_python), KD_GPU_VENV=str(tmp_path / "venv"),
                OUT=str(tmp_path / "out"), PIP_NO_INDEX="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=scaled(600))
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith("== ")))   # stages, sizes, times
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (tmp_path / "out" / "summary.md").read_text()
