@@ -17,10 +17,10 @@ import sys
 
 COMMANDS = {
     "demo": "megatron_kd_plugin.demo.pipeline",
-    "cache": "megatron_kd_plugin.cache.cli",
-    "train": "megatron_kd_plugin.bridge.train_cli",
-    "inspect": "megatron_kd_plugin.cache.inspect",
-    "plan": "megatron_kd_plugin.bridge.memory_plan",
+    "cache": "megatron_kd_plugin.commands.cache",
+    "train": "megatron_kd_plugin.commands.train",
+    "inspect": "megatron_kd_plugin.commands.inspect",
+    "plan": "megatron_kd_plugin.commands.plan",
 }
 
 

@@ -19,7 +19,7 @@ from megatron.bridge.training.config import (
 
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
-from megatron_kd_plugin.bridge.student import resolve_hf_folder, student_provider
+from megatron_kd_plugin.models.student import resolve_hf_folder, student_provider
 
 
 def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str) -> KDConfigContainer:

@@ -11,8 +11,8 @@ workers, no distributed optimizer. Not a GPU recipe (on a GPU it would train in 
 from __future__ import annotations
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from recipes.common import kd_hf_student_config
-from recipes.qwen3 import QWEN3_0P6B
+from .common import kd_hf_student_config
+from .qwen3 import QWEN3_0P6B
 
 
 def hf_student_kd_cpu_fp32_config(hf_path: str = QWEN3_0P6B, seq_length: int = 256) -> KDConfigContainer:

@@ -14,9 +14,9 @@ and every cached sample is re-tokenised by it and cut at a chunk boundary to the
 from __future__ import annotations
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from recipes.common import kd_hf_student_config
-from recipes.qwen3 import QWEN3_0P6B
-from recipes.tiny import tiny_gpt_kd_cpu_fp32_config
+from .common import kd_hf_student_config
+from .qwen3 import QWEN3_0P6B
+from .tiny import tiny_gpt_kd_cpu_fp32_config
 
 
 def llama3_8b_to_qwen3_0p6b_xtok_kd_8k_1gpu_h200_bf16_config(hf_path: str = QWEN3_0P6B) -> KDConfigContainer:

@@ -9,8 +9,8 @@ per-token tensor of a row is split like the tokens (``megatron_kd_plugin.bridge.
 from __future__ import annotations
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from recipes.common import kd_hf_student_config
-from recipes.qwen3 import QWEN3_0P6B, QWEN3_1P7B
+from .common import kd_hf_student_config
+from .qwen3 import QWEN3_0P6B, QWEN3_1P7B
 
 
 def qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config(hf_path: str = QWEN3_1P7B) -> KDConfigContainer:

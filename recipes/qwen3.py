@@ -14,7 +14,7 @@ train from scratch), and every checkpoint also holds the healed student as a HF 
 from __future__ import annotations
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
-from recipes.common import kd_hf_student_config
+from .common import kd_hf_student_config
 
 SEQ_LENGTH = 32768
 QWEN3_8B_CACHE = "outputs/caches/qwen3_8b_top64_32k.zarr"

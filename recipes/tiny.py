@@ -13,7 +13,7 @@ from megatron.bridge.models import GPTModelProvider
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
 from megatron_kd_plugin.cpu_compat import local_block_spec
-from recipes.common import kd_common_config
+from .common import kd_common_config
 
 
 def tiny_gpt_kd_cpu_fp32_config() -> KDConfigContainer:

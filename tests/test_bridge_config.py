@@ -18,8 +18,8 @@ from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
-from recipes import RECIPES
-from megatron_kd_plugin.bridge.train_cli import build_config
+from megatron_kd_plugin.recipes import RECIPES
+from megatron_kd_plugin.commands.train import build_config
 from tests.distributed import scaled
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -82,18 +82,18 @@ def test_a_default_student_that_is_an_unreachable_hub_id_is_one_line(capsys, mon
     """No --hf-path and no network (the hub offline, an empty cache): plan and train say what to do in one line."""
     import huggingface_hub.constants
 
-    from megatron_kd_plugin.bridge import memory_plan, train_cli
+    from megatron_kd_plugin.commands import plan, train
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    for command in (memory_plan.main, train_cli.main):
+    for command in (plan.main, train.main):
         assert command(["--recipe", "qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1, lines
         assert ("its default student 'Qwen/Qwen3-0.6B' is a Hugging Face hub id and could not be fetched" in lines[0]
                 and lines[0].endswith("--hf-path takes a local folder (config.json + *.safetensors)")), lines
     # a hub id given with --hf-path: the same line, about that id
-    assert train_cli.main(["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", "someone/pruned-model"]) == 2
+    assert train.main(["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", "someone/pruned-model"]) == 2
     line = capsys.readouterr().err.strip()
     assert "'someone/pruned-model' is not a local folder" in line and "--hf-path takes a local folder" in line
 
@@ -126,7 +126,7 @@ def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after
         sys.path.insert(0, {str(REPO)!r})
         from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
         from megatron_kd_plugin.bridge.config import KDConfigContainer
-        from recipes import RECIPES
+        from megatron_kd_plugin.recipes import RECIPES
 
         cfg = process_config_with_overrides(RECIPES["tiny_gpt_kd_cpu_fp32_config"](),
                                             cli_overrides=["kd.temperature=3.0", "dataset.cache_path=/x.zarr"])
@@ -154,7 +154,7 @@ def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after
 
 
 def test_launcher_lists_recipes_and_refuses_bad_input_with_a_message(capsys):
-    from megatron_kd_plugin.bridge.train_cli import main
+    from megatron_kd_plugin.commands.train import main
 
     assert main(["--list"]) == 0
     assert set(capsys.readouterr().out.split()) == set(RECIPES)

@@ -155,7 +155,7 @@ def test_kd_step_under_context_parallelism_equals_the_unsplit_step():
 
 def test_config_refuses_a_seq_length_that_2cp_does_not_divide():
     from megatron_kd_plugin.bridge.config import check_kd_config
-    from recipes import RECIPES
+    from megatron_kd_plugin.recipes import RECIPES
 
     cfg = RECIPES["tiny_gpt_kd_cpu_fp32_config"]()
     cfg.model.context_parallel_size = 4

@@ -13,7 +13,7 @@ from megatron_kd_plugin.bridge.config import check_kd_config
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.writer import write_cache
-from megatron_kd_plugin.bridge.train_cli import build_config
+from megatron_kd_plugin.commands.train import build_config
 
 VOCAB, SEQ, SAMPLES, K = 64, 16, 12, 4
 

@@ -85,7 +85,7 @@ def first_step_reference(cfg, student) -> float:
 def student_body(teacher, student, small_student, tmp):
     from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
     from tests.hf_models import hf_logits
     from tests.test_bridge_train import gathered_parameters
 
@@ -178,7 +178,7 @@ def test_model_vocab_override_below_the_recipes_fits_bridges_tokenizer_check(tin
     the tokenizer it builds from ``cfg.tokenizer``."""
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     for recipe, overrides, hf_path in (("tiny_gpt_kd_cpu_fp32_config", ["model.vocab_size=200"], None),
                                        (RECIPE, ["model.vocab_size=600"], str(tiny_hf_qwen3))):
@@ -188,7 +188,7 @@ def test_model_vocab_override_below_the_recipes_fits_bridges_tokenizer_check(tin
 
 def test_nan_or_inf_loss_stops_the_step_and_recipes_check_gradients(tiny_hf_qwen3):
     from megatron_kd_plugin.bridge.forward_step import kd_loss_func
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
     from megatron_kd_plugin.loss import KDLossResult
 
@@ -213,7 +213,7 @@ def test_bridge_configcontainer_from_yaml_refuses_a_kd_yaml_instead_of_dropping_
 
     from megatron_kd_plugin.bridge import register
     from megatron_kd_plugin.bridge.config import KDConfigContainer
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     register()
     build_config("tiny_gpt_kd_cpu_fp32_config", ["kd.temperature=3.0"]).to_yaml(str(tmp_path / "kd.yaml"))
@@ -225,18 +225,18 @@ def test_bridge_configcontainer_from_yaml_refuses_a_kd_yaml_instead_of_dropping_
 def test_gpu_launch_checks_the_pretrain_import_before_building_anything(capsys):
     """Here Bridge's pretrain() cannot import (no nvidia-resiliency-ext): with CUDA claimed, the command says what
     to install and never builds the config."""
-    from megatron_kd_plugin.bridge import train_cli
+    from megatron_kd_plugin.commands import train
 
     with mock.patch("torch.cuda.is_available", return_value=True), \
-            mock.patch.object(train_cli, "build_config", side_effect=AssertionError("built before the check")):
-        assert train_cli.main(["--recipe", "tiny_gpt_kd_cpu_fp32_config"]) == 2
+            mock.patch.object(train, "build_config", side_effect=AssertionError("built before the check")):
+        assert train.main(["--recipe", "tiny_gpt_kd_cpu_fp32_config"]) == 2
     error = capsys.readouterr().err
     assert "nvidia_resiliency_ext" in error and "nvidia-resiliency-ext" in error and "[gpu]" in error, error
 
 
 def test_bad_student_folder_and_parallel_sizes_are_refused_before_step_one(tiny_hf_qwen3, tmp_path, capsys,
                                                                           monkeypatch):
-    from megatron_kd_plugin.bridge.train_cli import build_config, main
+    from megatron_kd_plugin.commands.train import build_config, main
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_hf_qwen3, bad)

@@ -35,7 +35,7 @@ def write_teacher_cache(store, **options) -> None:
     from megatron_kd_plugin.cache.sources import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     teacher_cfg = build_config("tiny_gpt_kd_cpu_fp32_config",
                                tiny_overrides(store, "model.hidden_size=96", "model.init_method_std=0.25"))
@@ -77,7 +77,7 @@ def gathered_parameters(model) -> dict[str, torch.Tensor]:
 
 def train(store, *extra: str):
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     models, history = train_on_cpu(build_config("tiny_gpt_kd_cpu_fp32_config", tiny_overrides(store, *extra)),
                                    progress=False)
@@ -112,7 +112,7 @@ def sampled_store_step(sampled_store, topk_store, reference_model) -> dict:
 
     from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     n = 12
     write_teacher_cache(sampled_store, k=n, mode="sampled", proposal_temperature=1.5, sample_seed=2)
@@ -164,7 +164,7 @@ def forward_step_loss(cfg, model, batch):
 def tp1_body(store, hf_student):
     """Rank 0 of a TP=1 world: write the cache, train the reference and the ablations, check the step by hand."""
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     write_teacher_cache(store)
     cfg = build_config("tiny_gpt_kd_cpu_fp32_config", tiny_overrides(store))
@@ -201,7 +201,7 @@ def validate_real_recipes(hf_student) -> dict[str, int]:
     from megatron.bridge.training.config import runtime_config_update
 
     import megatron_kd_plugin.bridge.config as kd_config
-    from recipes import RECIPES
+    from megatron_kd_plugin.recipes import RECIPES
 
     data_parallel = {}
     for name, world_size in (("qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config", 1),

@@ -224,7 +224,7 @@ def _delete(store):
 def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsys, damage, sample, array, message):
     """Each damage the issue found reading back silently raises in the reader and in ``inspect --verify``; plain
     zarr raises on the checksums and fills a missing shard with values no store holds; the rest still reads."""
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
     untouched = next(i for i in range(N) if i // 4 != sample // 4)
@@ -247,7 +247,7 @@ def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsy
 
 
 def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
     assert inspect_main([str(tmp_path / "c"), "--verify"]) == 0
@@ -276,7 +276,7 @@ def _edit_attributes(store, recompute=True, **changes):
 
 
 def test_damaged_metadata_give_a_clear_error(tmp_path, capsys):
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
     for file in (tmp_path / "c" / "zarr.json", tmp_path / "c" / fmt.LOGPROBS / "zarr.json"):
@@ -339,7 +339,7 @@ def test_the_cache_command_refuses_a_locked_store_before_loading_the_teacher(tmp
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from megatron_kd_plugin.cache.cli import main
+    from megatron_kd_plugin.commands.cache import main
 
     tokenizer = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -458,7 +458,7 @@ def test_spec_rejects_bad_values():
 
 
 def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
-    from megatron_kd_plugin.cache.inspect import main, topk_statistics
+    from megatron_kd_plugin.commands.inspect import main, topk_statistics
 
     write(tmp_path / "c")
     assert main([str(tmp_path / "c"), "--plot", str(tmp_path / "h.png")]) == 0
@@ -483,7 +483,7 @@ def loader_for_test(path, tp_size):
 def test_cli_teacher_loader_hook_and_its_vocab_requirement(tmp_path):
     import argparse
 
-    from megatron_kd_plugin.cache.cli import load_teacher
+    from megatron_kd_plugin.commands.cache import load_teacher
 
     args = argparse.Namespace(teacher=str(tmp_path), teacher_loader="tests.test_cache_store:loader_for_test",
                               vocab_size=77, tp=2, seq_length=8)
@@ -563,7 +563,7 @@ def _swap(first, second):
 @pytest.mark.parametrize("array", [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS])
 def test_swapped_shard_files_raise_and_verify_names_both(tmp_path, capsys, array):
     """Issue 20 item 1: swapped shard files keep valid chunk checksums; their records give them away."""
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
     suffix = ("0",) * (1 if array == fmt.TOKENS else 2)
@@ -618,7 +618,7 @@ def test_a_shard_copied_from_a_store_of_another_teacher_raises(tmp_path):
     (fmt.LOGPROBS, lambda d: d.update(fill_value=0.0), "fill_value 0.0 on disk, 'NaN' implied")])
 def test_codec_settings_edited_in_an_arrays_zarr_json_are_refused(tmp_path, capsys, array, edit, path):
     """Issue 20 item 2: every setting of every array's zarr.json is compared, not just the codec names."""
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
     file = tmp_path / "c" / array / "zarr.json"
@@ -708,7 +708,7 @@ def _damage_three_shards(store):
 
 def test_repair_rewrites_only_the_damaged_shards_byte_identical_to_a_clean_run(tmp_path, capsys):
     """Issue 20 items 6 and 7: every command names the damage and --repair; the repair makes the clean store."""
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "clean")
     write(tmp_path / "c")

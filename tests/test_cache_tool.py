@@ -18,7 +18,7 @@ import torch
 
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.gpt import GPTSpec
+from megatron_kd_plugin.models.gpt import GPTSpec
 from tests.distributed import run_on_ranks, scaled
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def _make_teacher_and_reference(folder, prefix, num_samples):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
-    from megatron_kd_plugin.gpt import build_gpt, gpt_logits, save_gpt
+    from megatron_kd_plugin.models.gpt import build_gpt, gpt_logits, save_gpt
 
     seed_model_parallel(3)
     model = build_gpt(SPEC, tp_size=1)
@@ -122,7 +122,7 @@ def test_torchrun_tp2_cross_tokenizer_store_holds_realised_logprobs_and_the_byte
     for i in range(6):
         realised = logprobs[i].gather(-1, tokens[i][1:, None]).squeeze(-1)            # [S]
         torch.testing.assert_close(reader[i]["teacher_realised_logprob"].double(), realised, atol=2e-5, rtol=0)
-    from megatron_kd_plugin.cache.cli import cross_tokenizer_table, parse_args
+    from megatron_kd_plugin.commands.cache import cross_tokenizer_table, parse_args
 
     args = parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "4", "--cross-tokenizer"])
     with pytest.raises(ValueError, match="--cross-tokenizer needs the teacher's tokenizer"):
@@ -248,7 +248,7 @@ def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
 
 
 def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_the_mode(teacher_and_data, capsys):
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
     from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
 
     work, tokens, logprobs = teacher_and_data
@@ -286,7 +286,7 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
     (["--sample", "8", "--proposal-temperature", "-1"], "expected > 0"),
 ])
 def test_cli_refuses_bad_sampling_options(argv, message, capsys):
-    from megatron_kd_plugin.cache.cli import parse_args
+    from megatron_kd_plugin.commands.cache import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "8", *argv])
@@ -321,7 +321,7 @@ def test_damaged_indexed_datasets_are_one_line_naming_the_file(teacher_and_data,
 
 
 def test_a_truncated_teacher_checkpoint_is_named(teacher_and_data, tmp_path):
-    from megatron_kd_plugin.gpt import SPEC_FILE, WEIGHTS_FILE, load_gpt
+    from megatron_kd_plugin.models.gpt import SPEC_FILE, WEIGHTS_FILE, load_gpt
 
     work = teacher_and_data[0]
     shutil.copy(work / "teacher" / SPEC_FILE, tmp_path / SPEC_FILE)

@@ -346,7 +346,7 @@ def _bridge_tp1_body(folder):
     from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
     from megatron.bridge.data.base import DatasetBuildContext
 
@@ -398,7 +398,7 @@ def _bridge_tp1_body(folder):
 
 def _bridge_tp2_body(folder):
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     cfg = build_config("tiny_gpt_xtok_kd_cpu_fp32_config",
                        bridge_overrides(folder / "xtok.zarr", folder / "student.json",

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_kd_plugin.gpt import GPTSpec
+from megatron_kd_plugin.models.gpt import GPTSpec
 from tests.distributed import run_on_ranks
 
 SPECS = {
@@ -39,7 +39,7 @@ def test_spec_rejects_tp_that_does_not_divide():
 def _full_logits(model):
     from megatron.core import tensor_parallel
 
-    from megatron_kd_plugin.gpt import gpt_logits
+    from megatron_kd_plugin.models.gpt import gpt_logits
 
     with torch.no_grad():
         return tensor_parallel.gather_from_tensor_model_parallel_region(gpt_logits(model, TOKENS))  # [s, b, V]
@@ -55,7 +55,7 @@ def _set_tp(tp):
 def _save_tp1_load_tp2_save_load_tp1(folder):
     """On 2 ranks: build+save at TP=1 (DP=2), load+save at TP=2, load at TP=1; full logits of each phase."""
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
-    from megatron_kd_plugin.gpt import build_gpt, load_gpt, save_gpt
+    from megatron_kd_plugin.models.gpt import build_gpt, load_gpt, save_gpt
 
     phases = {"built": {}, "tp2": {}, "back": {}}
     _set_tp(1)
@@ -92,7 +92,7 @@ def test_checkpoints_move_between_tp_sizes(tmp_path):
 
 
 def test_load_refuses_a_folder_without_a_checkpoint(tmp_path):
-    from megatron_kd_plugin.gpt import load_gpt
+    from megatron_kd_plugin.models.gpt import load_gpt
 
     with pytest.raises(ValueError, match="not a save_gpt checkpoint"):
         load_gpt(tmp_path, tp_size=1)

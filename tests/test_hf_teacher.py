@@ -3,7 +3,7 @@
 One spawn of two gloo ranks does all the megatron work (each spawn costs seconds of imports):
 - full logits of a dense Qwen3 at TP=2 (vocabulary padded 1000 -> 1008, the pad masked) and of a Qwen3-MoE at
   EP=2, through the tool's ``TeacherForward``, against ``transformers``' forward;
-- the tool (``cache.cli.run``, the command's body) writing a store per layout: dense TP=1 (DP=2), TP=2, PP=2,
+- the tool (``commands.cache.run``, the command's body) writing a store per layout: dense TP=1 (DP=2), TP=2, PP=2,
   PP=2 over 3 layers (uneven stages);
   MoE TP=1 (DP=2) and EP=2 (DP=2, uneven shards, so one EP rank runs dummy forwards); a teacher with a
   vocabulary of 140,001 (> 2^17, the limit of Megatron-LM's packed ids) at TP=2;
@@ -61,8 +61,8 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
     """Full logits ``[s, b, V_pad/tp]`` of this rank: dense at TP=2, MoE at EP=2 (every rank the same tokens)."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.bridge.hf import build_model, hf_model_provider, padded_vocab_size
-    from megatron_kd_plugin.cache.cli import init_distributed
+    from megatron_kd_plugin.models.hf import build_model, hf_model_provider, padded_vocab_size
+    from megatron_kd_plugin.commands.cache import init_distributed
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
 
     out = {}
@@ -83,7 +83,7 @@ def _all_on_two_ranks(teachers: dict, data: dict, work: str, tokens: torch.Tenso
     """(megatron logits, {bad input: error message}) on this rank; writes every store of LAYOUTS."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.cache.cli import parse_args, run
+    from megatron_kd_plugin.commands.cache import parse_args, run
 
     parallel_state.destroy_model_parallel()            # run_on_ranks' TP=1 state: each layout makes its own
     logits = _megatron_logits(teachers, tokens)

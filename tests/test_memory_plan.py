@@ -9,8 +9,8 @@ import re
 import pytest
 from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
 
-from megatron_kd_plugin.bridge.memory_plan import GIB, fits, main, plan_memory
-from recipes import RECIPES
+from megatron_kd_plugin.commands.plan import GIB, fits, main, plan_memory
+from megatron_kd_plugin.recipes import RECIPES
 
 ONE_GPU = "qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config"
 EIGHT_GPU = "qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config"
@@ -68,7 +68,7 @@ def test_published_case_prints_dense_not_fitting_and_fused_fitting(capsys, qwen3
 def test_plan_takes_the_train_arguments_and_explains_a_larger_fused_head(capsys, tiny_hf_qwen3):
     """The CPU recipe at a small shape, with train's --hf-path, --seq-length and overrides: the plan is of the
     config train builds from them, says what it planned, and why the fused head is the larger one there."""
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     arguments = ["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", str(tiny_hf_qwen3), "--seq-length", "64",
                  "train.micro_batch_size=2", "train.global_batch_size=4", "kd.chunk_bytes=8388608"]

@@ -25,8 +25,9 @@ def install_package(target: pathlib.Path) -> pathlib.Path:
     for name in ("pyproject.toml", "README.md"):
         source.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / name, source / name)
-    for package in ("megatron_kd_plugin", "recipes"):
-        shutil.copytree(REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("megatron_kd_plugin", "recipes"):   # the link megatron_kd_plugin/recipes -> ../recipes kept
+        shutil.copytree(REPO_ROOT / folder, source / folder, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(source)], check=True, capture_output=True,
                    timeout=scaled(120))
@@ -41,18 +42,16 @@ def outside_repo_env(installed: pathlib.Path) -> dict[str, str]:
 
 IMPORT_EVERYTHING = textwrap.dedent("""
     import importlib, json, pathlib, pkgutil, sys
-    import megatron_kd_plugin, recipes
-    modules = []
-    for package in (megatron_kd_plugin, recipes):
-        modules.append(package)
-        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            modules.append(importlib.import_module(info.name))
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    import megatron_kd_plugin
+    modules = [megatron_kd_plugin]
+    for info in pkgutil.walk_packages(megatron_kd_plugin.__path__, "megatron_kd_plugin."):
+        modules.append(importlib.import_module(info.name))
+    from megatron_kd_plugin.commands.train import build_config
     from megatron_kd_plugin.demo import scratch as pipeline
     cfg = pipeline.PRESETS["mini"]
     config = build_config(pipeline.STUDENT_RECIPE, pipeline.student_overrides(
         cfg, pathlib.Path("cache.zarr"), 512, pathlib.Path("run"), alpha=cfg.kd_alpha))
-    print(json.dumps({"files": [m.__file__ for m in modules], "sys_path": [str(pathlib.Path(p).resolve()) for p in sys.path],
+    print(json.dumps({"files": [m.__file__ for m in modules], "names": [m.__name__ for m in modules], "sys_path": [str(pathlib.Path(p).resolve()) for p in sys.path],
                       "num_layers": config.model.num_layers, "alpha": config.kd.alpha,
                       "cache_path": str(config.dataset.cache_path)}))
 """)
@@ -60,8 +59,10 @@ IMPORT_EVERYTHING = textwrap.dedent("""
 
 def test_installed_package_runs_without_the_repository(tmp_path):
     installed = install_package(tmp_path / "site")
-    assert sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")) == [
-        "megatron_kd_plugin", "recipes"]
+    # nothing outside the package's own name: the recipes install as megatron_kd_plugin.recipes, real files
+    assert sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")) == ["megatron_kd_plugin"]
+    recipes = installed / "megatron_kd_plugin" / "recipes"
+    assert recipes.is_dir() and not recipes.is_symlink() and (recipes / "tiny.py").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = outside_repo_env(installed)
@@ -70,12 +71,17 @@ def test_installed_package_runs_without_the_repository(tmp_path):
                            capture_output=True, text=True, timeout=scaled(60))
     assert usage.returncode == 0, usage.stderr
     assert all(command in usage.stdout for command in ("demo", "cache", "train", "inspect"))
+    listed = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "train", "--list"], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=scaled(120))
+    assert listed.returncode == 0, listed.stderr[-5000:]
+    from megatron_kd_plugin.recipes import RECIPES
+    assert sorted(listed.stdout.split()) == sorted(RECIPES), listed.stdout
 
     done = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], cwd=elsewhere, env=env, capture_output=True,
                           text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stderr[-5000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report["files"]) > 20
+    assert len(report["files"]) > 20 and "megatron_kd_plugin.recipes.tiny" in report["names"]
     assert all(pathlib.Path(f).is_relative_to(installed) for f in report["files"]), report["files"]
     venv = pathlib.Path(sys.prefix).resolve()   # the environment may live inside the checkout (.venv/)
     assert not any(pathlib.Path(p).is_relative_to(REPO_ROOT) and not pathlib.Path(p).is_relative_to(venv)

@@ -60,7 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from megatron_kd_plugin.cache import TopKCacheReader  # noqa: E402
 from megatron_kd_plugin.cache import format as fmt  # noqa: E402
-from megatron_kd_plugin.cache.inspect import stored_bytes, topk_statistics  # noqa: E402
+from megatron_kd_plugin.commands.inspect import stored_bytes, topk_statistics  # noqa: E402
 from megatron_kd_plugin.cache.sources import TokenWindows, indexed_dataset_windows  # noqa: E402
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk  # noqa: E402
 from megatron_kd_plugin.cache.writer import write_cache  # noqa: E402
@@ -277,7 +277,7 @@ def teacher_source(args):
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
-    from megatron_kd_plugin.gpt import gpt_logits, load_gpt
+    from megatron_kd_plugin.models.gpt import gpt_logits, load_gpt
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
     apply_cpu_workarounds()
@@ -326,7 +326,7 @@ def overhead_runs(args) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, seed_model_parallel
-    from megatron_kd_plugin.gpt import GPTSpec, build_gpt, save_gpt
+    from megatron_kd_plugin.models.gpt import GPTSpec, build_gpt, save_gpt
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_cache_overhead_"))
     try:

@@ -92,7 +92,7 @@ def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def config(store: pathlib.Path, vocab: int, seq: int, steps: int, *extra: str, recipe="tiny_gpt_kd_cpu_fp32_config"):
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     return build_config(recipe, [f"dataset.cache_path={store}", f"model.vocab_size={vocab}", f"model.seq_length={seq}",
                                  f"dataset.seq_length={seq}", f"train.train_iters={steps}",

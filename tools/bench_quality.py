@@ -193,8 +193,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     from megatron_kd_plugin.demo.metrics import evaluate
     from megatron_kd_plugin.demo.scratch import PRESETS, STUDENT_RECIPE, student_overrides
     from megatron_kd_plugin.demo.train import single_process_megatron
-    from megatron_kd_plugin.gpt import load_gpt
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.models.gpt import load_gpt
+    from megatron_kd_plugin.commands.train import build_config
 
     cfg = PRESETS[preset]
     sizes = json.loads((work / "bench" / "bytes.json").read_text())

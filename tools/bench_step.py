@@ -104,7 +104,7 @@ def _build_student(args, seq_length, dtype):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_kd_plugin.cpu_compat import local_block_spec
-    from megatron_kd_plugin.gpt import GPTSpec, transformer_config
+    from megatron_kd_plugin.models.gpt import GPTSpec, transformer_config
 
     spec = GPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                    num_query_groups=args.groups, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
@@ -226,7 +226,7 @@ def _table(results: dict, args, seqs: list[int]) -> str:
 def _planner_check(results: dict, args, seqs: list[int]) -> str:
     """Markdown: the planner's estimate / the measured peak per variant and T ('' where Megatron-Bridge is absent)."""
     try:   # the planner's module needs Megatron-Bridge (through the recipes); the GPU machine has none
-        from megatron_kd_plugin.bridge.memory_plan import bench_step_predictions
+        from megatron_kd_plugin.commands.plan import bench_step_predictions
 
         predicted = {s: bench_step_predictions(hidden=args.hidden, vocab=args.vocab, heads=args.heads,
                                                groups=args.groups, ffn=args.ffn, layers=args.layers, seq_length=s,

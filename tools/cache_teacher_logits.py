@@ -1,4 +1,4 @@
-"""Cache a teacher's top-K next-token distribution into a Zarr v3 store; see megatron_kd_plugin/cache/cli.py.
+"""Cache a teacher's top-K next-token distribution into a Zarr v3 store; see megatron_kd_plugin/commands/cache.py.
 
     torchrun --nproc_per_node 2 tools/cache_teacher_logits.py --teacher TEACHER --data PREFIX \
         --output cache.zarr --seq-length 512 --topk 100 --tp 2
@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from megatron_kd_plugin.cache.cli import main  # noqa: E402
+from megatron_kd_plugin.commands.cache import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""Megatron-Bridge integration — the only part of the plugin that imports ``megatron.bridge``.
+"""Megatron-Bridge integration: the dataset provider, the KD forward step, the KD config and the CPU loop. It reads
+stores only through ``megatron_kd_plugin.cache``'s names; its models come from ``megatron_kd_plugin.models``.
 
 ``forward_step`` and ``dataset`` themselves need only megatron-core (the GPU check runs them without Bridge): without
 Megatron-Bridge installed the package still imports, only without ``register``.
@@ -9,7 +10,6 @@ Megatron-Bridge installed the package still imports, only without ``register``.
 - ``register.register()``: lets Bridge configs name the plugin's classes as ``_target_``.
 - ``cpu_train.train_on_cpu``: the CPU development path (Bridge's loop needs CUDA); ``cpu_checkpoint``: its
   checkpoints in Bridge's layout.
-- ``student``: students from and back to Hugging Face checkpoints (AutoBridge); ``hf``: HF folder -> provider.
 """
 
 try:

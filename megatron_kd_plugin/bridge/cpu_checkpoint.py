@@ -81,7 +81,7 @@ def save_checkpoint(state, models: list, optimizer, scheduler) -> str:
     dist.barrier()
     dist_checkpointing.save(_sharded_state(models[0], optimizer, scheduler), folder)
     if cfg.checkpoint.also_save_hf_checkpoint:
-        from megatron_kd_plugin.bridge.student import save_hf
+        from megatron_kd_plugin.models.student import save_hf
 
         save_hf(models, cfg.checkpoint.hf_source_path or cfg.checkpoint.pretrained_checkpoint,
                 os.path.join(folder, "hf"))

@@ -40,8 +40,8 @@ from megatron.core.utils import get_model_config
 
 from megatron_kd_plugin.bridge.cpu_checkpoint import load_checkpoint, save_checkpoint
 from megatron_kd_plugin.bridge.cpu_log import StepLog
-from megatron_kd_plugin.bridge.hf import is_hf_checkpoint
-from megatron_kd_plugin.bridge.student import load_hf_weights
+from megatron_kd_plugin.models.hf import is_hf_checkpoint
+from megatron_kd_plugin.models.student import load_hf_weights
 from megatron_kd_plugin.bridge.forward_step import kd_forward_step
 from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, cuda_absent, seed_model_parallel
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.align import cross_tokenizer_row
-from megatron_kd_plugin.cache.format import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS
+from megatron_kd_plugin.cache import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, cross_tokenizer_row
 
 
 class TopKCacheDataset(torch.utils.data.Dataset):

@@ -37,8 +37,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
-from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS
-from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS
+from megatron_kd_plugin.cache import CHUNK_IDS, CHUNK_LOGPROBS, SAMPLE_WEIGHTS
 from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
 from megatron_kd_plugin.loss.cross_tokenizer import ChunkLossResult, chunk_likelihood_loss
 

@@ -74,7 +74,7 @@ class TopKCacheDatasetProvider(DatasetProvider):
         tokenizer larger than ``vocab_size``, or a store without the cross-tokenizer arrays."""
         if self.student_tokenizer is None:
             return None
-        from megatron_kd_plugin.cache.token_bytes import TokenBytes
+        from megatron_kd_plugin.cache import TokenBytes
 
         student = TokenBytes.load(self.student_tokenizer)
         if student.identity == reader.spec.tokenizer:

@@ -11,7 +11,7 @@ Stages (all on CPU; everything lands under one output folder):
 1. data      the running interpreter's stdlib sources, or with ``--corpus`` a folder of text files (one document
              each) or a JSONL file (one document per line), split by whole document; a BPE tokenizer trained on
              the train split; Megatron indexed datasets (``data/``, see ``megatron_kd_plugin.demo.data``);
-2. teacher   a megatron-core GPTModel (``megatron_kd_plugin.gpt``) trained with cross entropy in this process
+2. teacher   a megatron-core GPTModel (``megatron_kd_plugin.models.gpt``) trained with cross entropy in this process
              (TP=1), saved with ``save_gpt`` (``teacher/``);
 3. cache     its top-K (default 100) over the student's training samples, by the cache command
              (``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache``) at TP=2 (``cache.zarr``);
@@ -49,7 +49,7 @@ STUDENT_RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelSize:
-    """A GPT's shape (the rest of the architecture is ``megatron_kd_plugin.gpt``'s / the recipe's default)."""
+    """A GPT's shape (the rest of the architecture is ``megatron_kd_plugin.models.gpt``'s / the recipe's default)."""
 
     num_layers: int
     """Transformer layers."""
@@ -161,7 +161,7 @@ def prepare_output(folder: pathlib.Path, overwrite: bool) -> None:
 
 
 def _gpt_spec(size: ModelSize, cfg: DemoConfig, vocab_size: int):
-    from megatron_kd_plugin.gpt import GPTSpec
+    from megatron_kd_plugin.models.gpt import GPTSpec
 
     return GPTSpec(**dataclasses.asdict(size), vocab_size=vocab_size, seq_length=cfg.seq_length)
 
@@ -169,7 +169,7 @@ def _gpt_spec(size: ModelSize, cfg: DemoConfig, vocab_size: int):
 def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
     """Trains the teacher with cross entropy on the train split (this process, TP=1); saves it to ``folder``."""
     from megatron_kd_plugin.demo.train import TrainConfig, ce_step, micro_batches, train
-    from megatron_kd_plugin.gpt import build_gpt, save_gpt
+    from megatron_kd_plugin.models.gpt import build_gpt, save_gpt
 
     spec = _gpt_spec(cfg.teacher, cfg, padded_vocab_size(corpus.vocab_size))
     model = build_gpt(spec, tp_size=1)
@@ -220,7 +220,7 @@ def student_overrides(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run
 def train_student(cfg: DemoConfig, store: pathlib.Path, vocab_size: int, run_dir: pathlib.Path, *, alpha: float):
     """One student through the recipe + CPU loop (this process, TP=1); returns (model, history)."""
     from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
-    from megatron_kd_plugin.bridge.train_cli import build_config   # recipe + overrides, exactly as the train command
+    from megatron_kd_plugin.commands.train import build_config   # recipe + overrides, exactly as the train command
 
     config = build_config(STUDENT_RECIPE, student_overrides(cfg, store, vocab_size, run_dir, alpha=alpha))
     models, history = train_on_cpu(config)

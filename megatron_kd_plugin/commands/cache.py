@@ -5,7 +5,7 @@
 
 (``tools/cache_teacher_logits.py`` is the same command.) ``--teacher`` is a Hugging Face checkpoint folder
 (config.json + safetensors, as ``save_pretrained`` writes it) of any architecture Megatron-Bridge converts, loaded
-through ``AutoBridge`` (``megatron_kd_plugin.bridge.hf``); or a ``save_gpt`` folder (megatron-core GPTModel); or
+through ``AutoBridge`` (``megatron_kd_plugin.models.hf``); or a ``save_gpt`` folder (megatron-core GPTModel); or
 whatever ``--teacher-loader module:function`` returns: a callable ``load(path, tp_size) -> model`` whose
 ``model(tokens, position_ids, attention_mask)`` gives ``[b, s, V/tp]`` logits, with the vocab size via
 ``--vocab-size``. A HF teacher's tokenizer is the checkpoint folder's unless ``--tokenizer`` is given; the store
@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--teacher", required=True,
                    help="teacher: a Hugging Face checkpoint folder, a save_gpt folder, or the --teacher-loader path")
     p.add_argument("--teacher-loader", default=None,
-                   help="module:function(path, tp_size) -> model, instead of megatron_kd_plugin.gpt.load_gpt")
+                   help="module:function(path, tp_size) -> model, instead of megatron_kd_plugin.models.gpt.load_gpt")
     p.add_argument("--vocab-size", type=int, default=None, help="teacher vocab size (needed with --teacher-loader)")
     p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx) or a .jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or HF name/folder; default for a HF teacher: "
@@ -143,14 +143,14 @@ def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
 
 def teacher_kind(args) -> str:
     """"hf", "save_gpt" or "loader" (``--teacher-loader``); ValueError for a folder that is none of them."""
-    from megatron_kd_plugin.gpt import SPEC_FILE
+    from megatron_kd_plugin.models.gpt import SPEC_FILE
 
     if args.teacher_loader:
         return "loader"
     folder = pathlib.Path(args.teacher)
     if (folder / SPEC_FILE).is_file():
         return "save_gpt"
-    if (folder / "config.json").is_file():     # bridge.hf.CONFIG_FILE (that module imports Megatron-Bridge)
+    if (folder / "config.json").is_file():     # models.hf.CONFIG_FILE (that module imports Megatron-Bridge)
         return "hf"
     raise ValueError(f"--teacher {args.teacher}: neither a Hugging Face checkpoint folder (config.json + "
                      f"safetensors) nor a save_gpt folder ({SPEC_FILE}); or pass --teacher-loader")
@@ -158,7 +158,7 @@ def teacher_kind(args) -> str:
 
 def load_teacher(args):
     """(model, vocab_size, identity) of a save_gpt or ``--teacher-loader`` teacher (megatron initialised)."""
-    from megatron_kd_plugin.gpt import checkpoint_identity, load_gpt
+    from megatron_kd_plugin.models.gpt import checkpoint_identity, load_gpt
 
     identity = checkpoint_identity(args.teacher) if pathlib.Path(args.teacher).is_dir() else args.teacher
     if args.teacher_loader:
@@ -175,7 +175,7 @@ def load_teacher(args):
 
 def hf_teacher(args):
     """(provider, vocab_size, identity, tokenizer) of a HF teacher, every check done, nothing built yet."""
-    from megatron_kd_plugin.bridge.hf import hf_identity, hf_model_provider, read_hf_config
+    from megatron_kd_plugin.models.hf import hf_identity, hf_model_provider, read_hf_config
 
     config = read_hf_config(args.teacher)
     dtype = DTYPES[args.dtype]
@@ -222,7 +222,7 @@ def run(args) -> None:
     try:
         refuse_while_written(args.output)
         if kind == "hf":
-            from megatron_kd_plugin.bridge.hf import build_model
+            from megatron_kd_plugin.models.hf import build_model
 
             chunks = build_model(provider)
         else:

@@ -43,7 +43,7 @@ def _call_recipe(recipe: str, fn, kwargs: dict):
     """``fn(**kwargs)``; a default student that is a hub id the hub cannot give becomes one line saying so."""
     import inspect
 
-    from megatron_kd_plugin.bridge.student import HubStudentError
+    from megatron_kd_plugin.models.student import HubStudentError
 
     try:
         return fn(**kwargs)
@@ -66,7 +66,7 @@ def build_config(recipe: str, overrides: list[str], config_file: str | None = No
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from megatron_kd_plugin.bridge import register
-    from recipes import RECIPES
+    from megatron_kd_plugin.recipes import RECIPES
 
     register()
     if recipe not in RECIPES:
@@ -107,7 +107,7 @@ def import_pretrain():
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
-        from recipes import RECIPES
+        from megatron_kd_plugin.recipes import RECIPES
 
         print("\n".join(sorted(RECIPES)))
         return 0

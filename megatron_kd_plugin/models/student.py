@@ -1,7 +1,7 @@
 """Students from and back to Hugging Face checkpoints, through Megatron-Bridge's ``AutoBridge``.
 
     folder = resolve_hf_folder("Qwen/Qwen3-0.6B")        # a local folder as is; a hub id: its local snapshot
-    provider = student_provider(folder)                   # architecture from config.json (bridge.hf), no weights
+    provider = student_provider(folder)                   # architecture from config.json (models.hf), no weights
     load_hf_weights(models, folder)                       # the checkpoint's weights into the built chunks
     save_hf(models, folder, "healed/")                    # the (trained) chunks as a HF folder transformers loads
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pathlib
 
-from megatron_kd_plugin.bridge.hf import hf_model_provider, is_hf_checkpoint
+from megatron_kd_plugin.models.hf import hf_model_provider, is_hf_checkpoint
 
 
 class HubStudentError(ValueError):
@@ -48,7 +48,7 @@ def resolve_hf_folder(hf_path: str) -> str:
 
 def student_provider(hf_path: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1):
     """The student's ``GPTModelProvider`` from its HF checkpoint (Bridge's convention:
-    ``AutoBridge.from_hf_pretrained(...).to_megatron_provider(load_weights=False)``, via ``bridge.hf``)."""
+    ``AutoBridge.from_hf_pretrained(...).to_megatron_provider(load_weights=False)``, via ``models.hf``)."""
     provider = hf_model_provider(resolve_hf_folder(hf_path), tensor_parallel=tensor_parallel,
                                  pipeline_parallel=pipeline_parallel, load_weights=False)
     # the checkpoint's own vocabulary, unpadded: what Bridge's setup decides for a model vocabulary that is set

@@ -201,7 +201,7 @@ def bench_step_predictions(*, hidden: int, vocab: int, heads: int, groups: int, 
     """
     import torch.nn.functional as F
 
-    from recipes.tiny import tiny_gpt_kd_cpu_fp32_config
+    from megatron_kd_plugin.recipes.tiny import tiny_gpt_kd_cpu_fp32_config
 
     cfg = tiny_gpt_kd_cpu_fp32_config()
     for name, value in dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="--recipe, --config-file, --hf-path, --seq-length and the overrides are the "
                                             "train command's: give the plan the arguments of the run it plans")
-    from megatron_kd_plugin.bridge.train_cli import add_config_arguments
+    from megatron_kd_plugin.commands.train import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--published", action="store_true",
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one of --recipe NAME and --published")
     from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
-    from megatron_kd_plugin.bridge.train_cli import build_config
+    from megatron_kd_plugin.commands.train import build_config
 
     recipe, overrides = PUBLISHED_CASE if args.published else (args.recipe, [])
     try:

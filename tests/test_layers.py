@@ -1,0 +1,143 @@
+"""The package's layers hold for every import (CONTRIBUTING.md, "Layers"): each unit imports only from units in
+lower layers, never from its own layer or above, and ``bridge`` reads stores only through the names
+``megatron_kd_plugin.cache`` exports. Every import statement counts, the lazy ones inside functions too. Also: the
+modules that moved keep working under their old names, with a DeprecationWarning (``_moved.py``)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+PACKAGE = "megatron_kd_plugin"
+ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+
+# Lowest first. A unit is a subpackage or a top-level module of the package.
+LAYERS = (
+    {"cpu_compat", "kernels", "_moved"},
+    {"loss", "models"},
+    {"cache", "bridge"},
+    {"recipes"},
+    {"commands"},
+    {"demo", "__main__"},
+)
+RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
+STORE_INTERFACE = "megatron_kd_plugin.cache"   # the one thing of cache's that bridge may import from
+
+
+def package_sources() -> dict[str, str]:
+    """{module name: source} of every module of the package, the recipes (a linked folder) included."""
+    sources = {}
+    for folder, _, files in os.walk(ROOT, followlinks=True):
+        for name in files:
+            if name.endswith(".py"):
+                parts = (pathlib.Path(folder) / name).relative_to(ROOT).with_suffix("").parts
+                module = ".".join((PACKAGE,) + (parts[:-1] if parts[-1] == "__init__" else parts))
+                sources[module] = (pathlib.Path(folder) / name).read_text()
+    return sources
+
+
+def imports_of(module: str, source: str, is_package: bool) -> list[tuple[str, list[str], int]]:
+    """(imported module, the names taken from it, line) for every package-internal import in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names if alias.name.split(".")[0] == PACKAGE]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == PACKAGE:
+                found.append((target, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+def unit_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None        # None: the package itself
+
+
+def violations(sources: dict[str, str], packages: set[str], cache_exports: set[str]) -> list[str]:
+    """One line per import against the layers."""
+    found = []
+    for module, source in sorted(sources.items()):
+        unit = unit_of(module)
+        for target, names, line in imports_of(module, source, module in packages):
+            if target == PACKAGE and names:                 # from megatron_kd_plugin import x: the module x
+                targets = [(f"{PACKAGE}.{name}", []) for name in names]
+            else:
+                targets = [(target, names)]
+            for imported, taken in targets:
+                other = unit_of(imported)
+                where = f"{module}:{line} imports {imported}"
+                if other is None or other == unit:
+                    continue
+                if unit is None:                              # the package's own __init__
+                    if other != "_moved":
+                        found.append(f"{where}: the package's __init__ installs the moved names, nothing else")
+                    continue
+                if other not in RANK or unit not in RANK:
+                    found.append(f"{where}: unit {other if other not in RANK else unit!r} has no layer")
+                elif unit == "bridge" and other == "cache":
+                    if imported != STORE_INTERFACE or not set(taken) <= cache_exports:
+                        found.append(f"{where} {taken}: bridge reads stores only through the names "
+                                     f"{STORE_INTERFACE} exports")
+                elif RANK[other] >= RANK[unit]:
+                    found.append(f"{where}: {other!r} is not in a layer below {unit!r}")
+    return found
+
+
+def test_every_import_goes_down_the_layers():
+    sources = package_sources()
+    assert {"megatron_kd_plugin.recipes.tiny", "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.models.hf",
+            "megatron_kd_plugin.bridge.dataset"} <= set(sources)
+    packages = {m for m in sources if (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
+    cache = importlib.import_module(STORE_INTERFACE)
+    assert violations(sources, packages, set(cache.__all__)) == []
+    # the commands are reached by name only, from the top
+    from megatron_kd_plugin.__main__ import COMMANDS
+    assert {unit_of(target) for target in COMMANDS.values()} == {"commands", "demo"}
+
+
+def test_the_check_finds_imports_against_the_layers():
+    planted = {
+        "megatron_kd_plugin.cache.writer": "from megatron_kd_plugin.bridge import dataset\n",
+        "megatron_kd_plugin.bridge.dataset": "from megatron_kd_plugin.cache.format import TOKENS\n"
+                                             "from megatron_kd_plugin.cache import TOKENS, format\n",
+        "megatron_kd_plugin.loss.fused": "def f():\n    import megatron_kd_plugin.models.hf\n",
+        "megatron_kd_plugin.models.student": "from ..commands import train\n",
+        "megatron_kd_plugin.recipes": "from .tiny import x\nfrom megatron_kd_plugin import demo\n",
+        "megatron_kd_plugin.bridge.provider": "from megatron_kd_plugin.cache import TopKCacheReader\n"
+                                              "from ..models import hf\n",
+    }
+    found = violations(planted, {"megatron_kd_plugin.recipes"}, {"TOKENS", "TopKCacheReader"})
+    assert [line.split(" imports ")[0] for line in found] == [
+        "megatron_kd_plugin.bridge.dataset:1", "megatron_kd_plugin.bridge.dataset:2",
+        "megatron_kd_plugin.cache.writer:1", "megatron_kd_plugin.loss.fused:2",
+        "megatron_kd_plugin.models.student:1", "megatron_kd_plugin.recipes:2"], found
+
+
+@pytest.mark.parametrize("old, new", [("megatron_kd_plugin.gpt", "megatron_kd_plugin.models.gpt"),
+                                      ("megatron_kd_plugin.cache.inspect", "megatron_kd_plugin.commands.inspect")])
+def test_a_moved_module_still_imports_under_its_old_name_with_a_warning(old, new, monkeypatch):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+def test_python_dash_m_with_an_old_name_runs_the_moved_command(monkeypatch, capsys):
+    old = "megatron_kd_plugin.bridge.train_cli"
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    monkeypatch.setattr(sys, "argv", [old, "--help"])
+    with pytest.warns(DeprecationWarning, match="moved to megatron_kd_plugin.commands.train"), \
+            pytest.raises(SystemExit) as exited:
+        runpy.run_module(old, run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0 and "--recipe" in capsys.readouterr().out
