@@ -92,6 +92,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
+from megatron_kd_plugin.cache.logprob_grid import LogprobGridZarr
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
@@ -116,14 +117,25 @@ SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
 
+GRID8 = (1 / 40, 0.5, 0.5, 24.0)
+"""(step, growth, max_step, span) of the default log-prob grid (``grid8``), chosen by ``tools/bench_codec.py``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LogprobCodec:
-    """How the top-K log-probs are stored on disk."""
+    """How the top-K log-probs (and the delta-coded ids beside them) are stored on disk."""
 
     dtype: str
-    """numpy dtype of the stored values ("float16" or "float32"; zarr has no bfloat16)."""
+    """numpy dtype of the stored values ("float16" or "float32"; zarr has no bfloat16); a grid codec decodes to
+    float32."""
     keepbits: int | None = None
     """Mantissa bits kept by a round-to-nearest bit-rounding filter (None: all); 7 is bfloat16's precision."""
+    grid: tuple[float, float, float, float] | None = None
+    """(step, growth, max_step, span) of the log-prob grid serializer (``logprob_grid.py``: a float16 row maximum
+    and one 8-bit code per slot); None: the values are stored as ``dtype`` floats."""
+    ids_shuffle: str = "bitshuffle"
+    """Blosc's shuffle of the delta-coded int32 ids: "bitshuffle" (the codecs before the grid) or "shuffle" (bytes:
+    a real teacher's rows repeat gap patterns of its frequent ids, which zstd finds only byte-wise; docs/cache.md)."""
 
 
 LOGPROB_CODECS = {
@@ -131,10 +143,13 @@ LOGPROB_CODECS = {
     "fp16": LogprobCodec(dtype="float16"),
     "fp16-bitround8": LogprobCodec(dtype="float16", keepbits=8),
     "fp16-bitround7": LogprobCodec(dtype="float16", keepbits=7),
+    "grid8": LogprobCodec(dtype="float32", grid=GRID8, ids_shuffle="shuffle"),
 }
-"""Named log-prob codecs; ``tools/bench_cache.py`` measures bytes/token and round-trip KL of each."""
+"""Named log-prob codecs; ``tools/bench_codec.py`` measures bytes/token and round-trip KL of each (docs/cache.md)."""
+REALISED_CODEC = LOGPROB_CODECS["fp16-bitround7"]
+"""The codec of ``teacher_realised_logprob`` (one value per token) in stores whose log-prob codec is a grid."""
 
-DEFAULT_LOGPROB_CODEC = "fp16-bitround7"
+DEFAULT_LOGPROB_CODEC = "grid8"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +215,12 @@ class CacheSpec:
     @property
     def logprob_dtype(self) -> str:
         return LOGPROB_CODECS[self.logprob_codec].dtype
+
+    @property
+    def realised_codec(self) -> LogprobCodec:
+        """The codec of ``teacher_realised_logprob``: the log-prob codec's, or :data:`REALISED_CODEC` for a grid."""
+        codec = LOGPROB_CODECS[self.logprob_codec]
+        return REALISED_CODEC if codec.grid is not None else codec
 
     @property
     def stores_proposal_lognorm(self) -> bool:
@@ -334,32 +355,40 @@ def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
     return WriterLock(staging, store=path).exclusive()
 
 
+def _logprob_codecs(codec: LogprobCodec, slots: int) -> dict[str, list]:
+    """The ``create_array`` codec arguments of a log-prob array of ``slots`` values per row; the chain ends with
+    CRC32C."""
+    if codec.grid is not None:
+        step, growth, max_step, span = codec.grid
+        return dict(serializer=LogprobGridZarr(slots=slots, step=step, growth=growth, max_step=max_step, span=span),
+                    compressors=[_blosc(1, "noshuffle"), Crc32cCodec()])
+    filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
+    return dict(filters=filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()])
+
+
 def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VERSION) -> None:
     """The arrays and attributes of ``spec`` (a store of format ``version``) in the empty group ``group``; every
     chunk chain ends with CRC32C."""
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
-    logprob_filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
     nan = float("nan")
     group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
                        compressors=[_blosc(4), Crc32cCodec()], fill_value=-1, dimension_names=("sample", "position"))
     group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
-                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, "bitshuffle"),
+                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, codec.ids_shuffle),
                                                                                   Crc32cCodec()],
                        fill_value=-1, dimension_names=("sample", "position", slot))
     group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
-                       filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()],
-                       fill_value=nan, dimension_names=("sample", "position", slot))
+                       **_logprob_codecs(codec, k), fill_value=nan, dimension_names=("sample", "position", slot))
     for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
         group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                            compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
                            dimension_names=("sample", "position"))
     if spec.cross_tokenizer:
-        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=codec.dtype,
-                           filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize),
-                                                                 Crc32cCodec()],
-                           fill_value=nan, dimension_names=("sample", "position"))
+        realised = spec.realised_codec
+        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=realised.dtype,
+                           **_logprob_codecs(realised, 1), fill_value=nan, dimension_names=("sample", "position"))
         v = spec.vocab_size + 1
         group.create_array(VOCAB_OFFSETS, shape=(v,), chunks=(v,), dtype="int64", fill_value=-1,
                            compressors=[_blosc(8), Crc32cCodec()], dimension_names=("token_id",))
