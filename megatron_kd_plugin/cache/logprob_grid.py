@@ -7,7 +7,10 @@ Math, per row of K log-probs ℓ_k (any order; −inf marks a padding slot)::
     u_k  = m̃ − ℓ_k                                  (>= 0 up to the rounding of m̃)
     grid g_0 = 0 < g_1 < … < g_{n-1}, n <= 255:     g_{j+1} = g_j + min(step · exp(growth · g_j), max_step),
                                                     while <= span; each g_j rounded to a multiple of 2^-12
-    c_k  = the j whose g_j is nearest to u_k in the divergence below (u_k beyond the grid: n − 1); 255 for −inf
+    c_k  = the j whose g_j is nearest to u_k in the divergence below (u_k beyond the grid: n − 1); 255 for −inf;
+           then, in a row whose decoded mass Σ_k e^ℓ'_k exceeds Σ_k e^ℓ_k + 0.2·(1 − Σ_k e^ℓ_k), codes move one
+           point down, the largest probability drop first, until it does not (the ghost bucket keeps >= 80 % of
+           its mass)
     ℓ'_k = float32(m̃) − float32(g_{c_k})           (decoded; −inf for code 255)
 
 The divergence: the stored row's round-trip KL over the K + 1 ghost buckets (the loss's partition) is, to first
@@ -36,6 +39,8 @@ from zarr.registry import register_codec
 
 PAD_CODE = 255
 """The code of a −inf (padding) slot."""
+TAIL_SLACK = 0.2
+"""A row's decoded top-K mass may exceed its exact mass M by at most this share of the ghost mass 1 − M."""
 GRID_QUANTUM = 2.0 ** -12
 """Every grid point is a multiple of this (exact in float32 below 2^11)."""
 
@@ -90,8 +95,34 @@ class LogprobGrid(Codec):
         offsets = maxima.astype(np.float64)[:, None] - rows                           # [R, K], +inf on padding
         codes = np.searchsorted(self.boundaries, np.where(np.isfinite(offsets), offsets, 0.0)).astype(np.uint8)
         codes[np.isneginf(rows)] = PAD_CODE
+        self._guard_tail(rows, maxima, codes)
         planes = maxima.view(np.uint8).reshape(-1, 2)[:, ::-1].T                      # high bytes, then low
         return np.ascontiguousarray(planes).tobytes() + codes.tobytes()
+
+    def _guard_tail(self, rows: np.ndarray, maxima: np.ndarray, codes: np.ndarray) -> None:
+        """Moves codes one grid point down (in place), largest probability drop first, in the rows whose decoded
+        top-K mass M' exceeds M + :data:`TAIL_SLACK`·(1 − M) (M: the exact mass), until none does or nothing is
+        left to move: the ghost bucket 1 − M' then keeps at least (1 − TAIL_SLACK) of its mass (a rounded row
+        could otherwise leave it ~0, an unbounded round-trip KL)."""
+        exact = np.exp(rows).sum(axis=1)
+        limit = exact + TAIL_SLACK * np.clip(1 - exact, 0, None)
+        top = len(self.grid) - 1
+        base = maxima.astype(np.float32)[:, None]
+        for _ in range(self.slots * 4):
+            over = np.flatnonzero(np.exp((base - self.values[codes]).astype(np.float64)).sum(axis=1) > limit)
+            if not len(over):
+                return
+            now = codes[over]
+            movable = now < top                                                       # pad (255) > top too
+            after = np.where(movable, now + 1, now)
+            drop = np.exp((base[over] - self.values[now]).astype(np.float64)) - \
+                np.exp((base[over] - self.values[after]).astype(np.float64))
+            drop[~movable] = -1.0
+            slot = drop.argmax(axis=1)
+            moved = drop[np.arange(len(over)), slot] > 0
+            if not moved.any():
+                return
+            codes[over[moved], slot[moved]] += 1
 
     def decode(self, buf, out=None) -> np.ndarray:
         data = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
@@ -100,7 +131,7 @@ class LogprobGrid(Codec):
         rows = data.size // (self.slots + 2)
         maxima = np.ascontiguousarray(data[:2 * rows].reshape(2, rows)[::-1].T).view(np.float16)   # [R, 1]
         codes = data[2 * rows:].reshape(rows, self.slots)
-        decoded = maxima.astype(np.float32) - self.values[codes]                       # [R, K]; pad: -inf
+        decoded = maxima.astype(np.float32) - np.take(self.values, codes)                # [R, K]; pad: -inf
         if out is not None:
             out = np.asarray(out).reshape(-1).view(np.float32)
             out[:] = decoded.reshape(-1)
