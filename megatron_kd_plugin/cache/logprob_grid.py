@@ -92,7 +92,8 @@ class LogprobGrid(Codec):
             raise ValueError("log-prob grid: a log-prob is NaN or +inf (only finite values and -inf padding are "
                              "stored)")
         maxima = rows.max(axis=1).astype(np.float16)                                  # [R]
-        offsets = maxima.astype(np.float64)[:, None] - rows                           # [R, K], +inf on padding
+        with np.errstate(invalid="ignore"):                                           # -inf - -inf: padding only
+            offsets = maxima.astype(np.float64)[:, None] - rows                       # [R, K], +inf on padding
         codes = np.searchsorted(self.boundaries, np.where(np.isfinite(offsets), offsets, 0.0)).astype(np.uint8)
         codes[np.isneginf(rows)] = PAD_CODE
         self._guard_tail(rows, maxima, codes)
