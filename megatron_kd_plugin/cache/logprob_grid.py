@@ -8,9 +8,9 @@ Math, per row of K log-probs ℓ_k (any order; −inf marks a padding slot)::
     grid g_0 = 0 < g_1 < … < g_{n-1}, n <= 255:     g_{j+1} = g_j + min(step · exp(growth · g_j), max_step),
                                                     while <= span; each g_j rounded to a multiple of 2^-12
     c_k  = the j whose g_j is nearest to u_k in the divergence below (u_k beyond the grid: n − 1); 255 for −inf;
-           then, in a row whose decoded mass Σ_k e^ℓ'_k exceeds Σ_k e^ℓ_k + 0.2·(1 − Σ_k e^ℓ_k), codes move one
-           point down, the largest probability drop first, until it does not (the ghost bucket keeps >= 80 % of
-           its mass)
+           then, in a row whose decoded mass M' = Σ_k e^ℓ'_k misses M = Σ_k e^ℓ_k by more than 0.05·(1 − M),
+           single codes move to their other neighbouring grid point, each time the move that brings M' nearest
+           to M, until it is within that (or no move brings it nearer): the ghost bucket keeps its mass to 5 %
     ℓ'_k = float32(m̃) − float32(g_{c_k})           (decoded; −inf for code 255)
 
 The divergence: the stored row's round-trip KL over the K + 1 ghost buckets (the loss's partition) is, to first
@@ -39,8 +39,9 @@ from zarr.registry import register_codec
 
 PAD_CODE = 255
 """The code of a −inf (padding) slot."""
-TAIL_SLACK = 0.2
-"""A row's decoded top-K mass may exceed its exact mass M by at most this share of the ghost mass 1 − M."""
+TAIL_SLACK = 0.05
+"""A row's decoded top-K mass may miss its exact mass M by at most this share of the ghost mass 1 − M (where a code
+move can bring it there)."""
 GRID_QUANTUM = 2.0 ** -12
 """Every grid point is a multiple of this (exact in float32 below 2^11)."""
 
@@ -96,34 +97,37 @@ class LogprobGrid(Codec):
             offsets = maxima.astype(np.float64)[:, None] - rows                       # [R, K], +inf on padding
         codes = np.searchsorted(self.boundaries, np.where(np.isfinite(offsets), offsets, 0.0)).astype(np.uint8)
         codes[np.isneginf(rows)] = PAD_CODE
-        self._guard_tail(rows, maxima, codes)
+        self._balance_mass(rows, maxima, codes)
         planes = maxima.view(np.uint8).reshape(-1, 2)[:, ::-1].T                      # high bytes, then low
         return np.ascontiguousarray(planes).tobytes() + codes.tobytes()
 
-    def _guard_tail(self, rows: np.ndarray, maxima: np.ndarray, codes: np.ndarray) -> None:
-        """Moves codes one grid point down (in place), largest probability drop first, in the rows whose decoded
-        top-K mass M' exceeds M + :data:`TAIL_SLACK`·(1 − M) (M: the exact mass), until none does or nothing is
-        left to move: the ghost bucket 1 − M' then keeps at least (1 − TAIL_SLACK) of its mass (a rounded row
-        could otherwise leave it ~0, an unbounded round-trip KL)."""
+    def _balance_mass(self, rows: np.ndarray, maxima: np.ndarray, codes: np.ndarray) -> None:
+        """In every row whose decoded top-K mass M' misses the exact mass M by more than :data:`TAIL_SLACK`·(1 − M),
+        moves one slot's code to its other neighbouring grid point (in place), the move that brings M' nearest to
+        M, until |M' − M| <= the slack or no move brings it nearer (each move does: this ends). The ghost bucket's
+        mass 1 − M' then stays within 5 % of the exact 1 − M, so its term of the round-trip KL stays below
+        ~TAIL_SLACK²·(1 − M)/2 (nearest rounding alone can leave 1 − M' ~0 in a confident row: unbounded)."""
         exact = np.exp(rows).sum(axis=1)
-        limit = exact + TAIL_SLACK * np.clip(1 - exact, 0, None)
+        slack = TAIL_SLACK * np.clip(1 - exact, 0, None)
         top = len(self.grid) - 1
         base = maxima.astype(np.float32)[:, None]
         for _ in range(self.slots * 4):
-            over = np.flatnonzero(np.exp((base - self.values[codes]).astype(np.float64)).sum(axis=1) > limit)
-            if not len(over):
+            excess = np.exp((base - np.take(self.values, codes)).astype(np.float64)).sum(axis=1) - exact
+            off = np.flatnonzero(np.abs(excess) > slack)
+            if not len(off):
                 return
-            now = codes[over]
-            movable = now < top                                                       # pad (255) > top too
-            after = np.where(movable, now + 1, now)
-            drop = np.exp((base[over] - self.values[now]).astype(np.float64)) - \
-                np.exp((base[over] - self.values[after]).astype(np.float64))
-            drop[~movable] = -1.0
-            slot = drop.argmax(axis=1)
-            moved = drop[np.arange(len(over)), slot] > 0
-            if not moved.any():
+            now, wanted = codes[off].astype(np.int64), excess[off, None]
+            real = now != PAD_CODE
+            moved = np.where(wanted > 0, np.where(real & (now < top), now + 1, now),      # too much mass: down
+                             np.where(real & (now > 0), now - 1, now))                     # too little: up
+            change = np.exp((base[off] - self.values[moved]).astype(np.float64)) - \
+                np.exp((base[off] - self.values[now]).astype(np.float64))
+            after = np.where(moved != now, np.abs(wanted + change), np.inf)
+            slot = after.argmin(axis=1)
+            better = after[np.arange(len(off)), slot] < np.abs(wanted[:, 0])
+            if not better.any():
                 return
-            codes[over[moved], slot[moved]] += 1
+            codes[off[better], slot[better]] = moved[better, slot[better]]
 
     def decode(self, buf, out=None) -> np.ndarray:
         data = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
