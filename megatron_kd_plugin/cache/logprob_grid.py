@@ -111,23 +111,26 @@ class LogprobGrid(Codec):
         slack = TAIL_SLACK * np.clip(1 - exact, 0, None)
         top = len(self.grid) - 1
         base = maxima.astype(np.float32)[:, None]
+        probs = np.exp((base - np.take(self.values, codes)).astype(np.float64))          # [R, K] decoded
+        mass = probs.sum(axis=1)
         for _ in range(self.slots * 4):
-            excess = np.exp((base - np.take(self.values, codes)).astype(np.float64)).sum(axis=1) - exact
-            off = np.flatnonzero(np.abs(excess) > slack)
+            off = np.flatnonzero(np.abs(mass - exact) > slack)
             if not len(off):
                 return
-            now, wanted = codes[off].astype(np.int64), excess[off, None]
+            now, wanted = codes[off].astype(np.int64), (mass - exact)[off, None]
             real = now != PAD_CODE
             moved = np.where(wanted > 0, np.where(real & (now < top), now + 1, now),      # too much mass: down
                              np.where(real & (now > 0), now - 1, now))                     # too little: up
-            change = np.exp((base[off] - self.values[moved]).astype(np.float64)) - \
-                np.exp((base[off] - self.values[now]).astype(np.float64))
+            change = np.exp((base[off] - self.values[moved]).astype(np.float64)) - probs[off]
             after = np.where(moved != now, np.abs(wanted + change), np.inf)
             slot = after.argmin(axis=1)
             better = after[np.arange(len(off)), slot] < np.abs(wanted[:, 0])
             if not better.any():
                 return
-            codes[off[better], slot[better]] = moved[better, slot[better]]
+            row, slot = off[better], slot[better]
+            codes[row, slot] = moved[better, slot]
+            probs[row, slot] = np.exp((base[row, 0] - self.values[codes[row, slot]]).astype(np.float64))
+            mass[row] = probs[row].sum(axis=1)
 
     def decode(self, buf, out=None) -> np.ndarray:
         data = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
