@@ -128,10 +128,10 @@ class Rows:
         return cls(path.stem, data["tokens"], data["ids"], data["logprobs"], int(data["vocab"]),
                    str(data["description"]))
 
-    def top(self, k: int, top_p: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def top(self, k: int, top_p: float | None = None, pad: str = "zero") -> tuple[np.ndarray, np.ndarray]:
         """(ids int32, log-probs float64) ``[N, S, k]`` sorted by id, the store's row order; with ``top_p`` only the
-        fewest highest ids whose mass reaches it are kept, the other slots padding (id :data:`PAD_ID`, -inf)
-        after the kept ones."""
+        fewest highest ids whose mass reaches it are kept, the other slots padding (log-prob -inf) after the kept
+        ones, with the id :data:`PAD_ID` (``pad="zero"``) or the row's last kept id (``pad="repeat"``)."""
         ids, logprobs = self.ids[..., :k].copy(), self.logprobs[..., :k].copy()
         if top_p is not None:
             mass = np.cumsum(np.exp(logprobs), axis=-1)
@@ -141,7 +141,12 @@ class Rows:
             ids[pad] = np.iinfo(np.int32).max                                             # sorts last
         order = np.argsort(ids, axis=-1, kind="stable")
         ids, logprobs = np.take_along_axis(ids, order, -1), np.take_along_axis(logprobs, order, -1)
-        ids[ids == np.iinfo(np.int32).max] = PAD_ID
+        padding = ids == np.iinfo(np.int32).max
+        if pad == "repeat":
+            last = np.take_along_axis(ids, np.maximum((~padding).sum(-1, keepdims=True) - 1, 0), -1)
+            ids = np.where(padding, last, ids)
+        else:
+            ids[padding] = PAD_ID
         return ids, logprobs
 
 
@@ -160,7 +165,8 @@ def chunk_bytes(folder: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in (folder / "c").rglob("*") if f.is_file())
 
 
-def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: float | None = None) -> dict:
+def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: float | None = None,
+                    pad: str = "zero") -> dict:
     """One store of ``codec`` through the real writer path; its sizes and round-trip KL."""
     import zarr
 
@@ -169,11 +175,11 @@ def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: f
     from megatron_kd_plugin.cache.inspect import stored_bytes
     from megatron_kd_plugin.cache.writer import store_shard
 
-    ids, exact = rows.top(k, top_p)
+    ids, exact = rows.top(k, top_p, pad)
     n, s = ids.shape[:2]
     spec = fmt.CacheSpec(k=k, vocab_size=rows.vocab, seq_length=s, num_samples=n, teacher=rows.name,
                          tokenizer=rows.name, fingerprint="bench_codec", logprob_codec=codec, samples_per_shard=16)
-    path = work / f"{rows.name}_k{k}_{codec}_{top_p}"
+    path = work / f"{rows.name}_k{k}_{codec}_{top_p}_{pad}"
     fmt.create_store(path, spec)
     group = zarr.open_group(path, mode="r+")
     for shard in range(spec.num_shards):
@@ -353,10 +359,11 @@ def study(args) -> None:
                 table = [(label, store_candidate(rows, k, codec, work)) for label, codec in codecs.items()]
                 if args.top_p:
                     for p in args.top_p:
-                        result = store_candidate(rows, k, fmt.DEFAULT_LOGPROB_CODEC, work, top_p=p)
                         kept = (~np.isneginf(rows.top(k, p)[1])).sum(-1).mean()
-                        table.append((f"{fmt.DEFAULT_LOGPROB_CODEC}, top-p {p} padding (mean kept {kept:.1f} of {k})",
-                                      result))
+                        for pad in ("zero", "repeat"):
+                            result = store_candidate(rows, k, fmt.DEFAULT_LOGPROB_CODEC, work, top_p=p, pad=pad)
+                            table.append((f"{fmt.DEFAULT_LOGPROB_CODEC}, top-p {p}: mean kept {kept:.1f} of {k}, "
+                                          f"padding ids {'0' if pad == 'zero' else 'the last kept id'}", result))
                 if not args.no_plain:
                     table += plain_candidates(rows, k, work)
             finally:

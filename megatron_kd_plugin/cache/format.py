@@ -3,8 +3,10 @@
 Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``)::
 
     tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle      fill -1
-    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle  -1
-    teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
+    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, byte shuffle -1
+                                                    (bit shuffle with the log-prob codecs before grid8)
+    teacher_logprobs   float32 [N, S, K] same chunks/shards   grid8: log-prob grid serializer, blosc-zstd      NaN
+                       fp16|fp32 (older codecs)                (bit-rounding filter), blosc-zstd, byte shuffle
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
     teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
     teacher_realised_logprob  (cross-tokenizer stores only, see below) log-prob codec [N, S] chunks [1, S] shards [P, S]  NaN
@@ -35,9 +37,13 @@ Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` gi
 vocabulary at the cache temperature τ_c, so ``Σ_k exp(·) = m <= 1`` is the top-K mass;
 ``teacher_logsumexp[i, t] = LSE(z / τ_c)``. Within a row the K ids are sorted ascending by id (not by rank) and
 the log-probs follow the same order: a sorted K-subset of the vocabulary delta-codes to ~130 B/token at K=100,
-V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/cache.md). Ids are
-int32: vocabularies up to 2^31. Log-probs default to fp16 bit-rounded to 7 mantissa bits (bfloat16's precision):
-~106 B/token, mean round-trip KL ~2e-5 nats.
+V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/cache.md); on trained
+teachers blosc's byte shuffle of the deltas beats its bit shuffle by a third (their rows repeat the gap patterns
+of frequent ids). Ids are int32: vocabularies up to 2^31. The default log-prob codec ``grid8``
+(``logprob_grid.py``) stores each row as its float16 maximum and one 8-bit code per slot on a fixed grid below it
+(exact −inf for padding slots): ~70 B/token at K=100 on the trained teachers of ``tools/bench_codec.py`` at a mean
+round-trip KL of 3-6e-4 nats, against ~100 B/token and ~2e-5 for the fp16 bit-rounded to 7 mantissa bits
+(``fp16-bitround7``) it replaced, which stays readable and writable (docs/cache.md).
 
 Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issue #8): the same arrays with K = N
 draws per token from the proposal q ∝ p^(1/t) (``sample.py``): ``teacher_ids`` holds the N drawn ids sorted
@@ -52,7 +58,8 @@ teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K o
 the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``,
 o = ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and
 token t's byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only
-the realised log-prob is per token (~1.2 B/token in fp16-bitround7, docs/cache.md).
+the realised log-prob is per token (~1.2 B/token in fp16-bitround7, the codec of this array when the log-prob
+codec is a grid, which needs rows of several slots; docs/cache.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
