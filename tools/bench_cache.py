@@ -25,6 +25,10 @@ report: time inside the teacher forward vs the whole loop (top-K, LSE, sorting, 
 qwen3|qwen3_moe`` does the same with a randomly initialised Hugging Face checkpoint of that shape (made and saved
 by ``transformers``, loaded by the tool through Megatron-Bridge), at each ``--tp`` times each ``--ep``.
 
+``--reader-codecs A B ...`` measures the reader alone on one store per log-prob codec (e.g. ``fp16-bitround7 grid8``:
+the codec before issue #21 against its default), in alternating rounds in this one process: best rate of each,
+the ratio to the first, and each store's bytes/token.
+
 ``--integrity-cost`` measures what the format version 3 checks cost the reader (issue 20): the default-codec
 store read as written (chunk records checked) and the same store with its ``chunk_records`` removed and its
 version set to 2 (read without them, as a version 2 store is), in alternating rounds in this one process; best
@@ -148,6 +152,33 @@ def integrity_cost(source, logits_fn, vocab: int, args, work: pathlib.Path, labe
         print(f"| {name} | {best[name][1]:,.0f} | {best[name][0]:,.0f} | {total:.2f} |")
     ratio = best["v3 (records checked)"][1] / best["v2 (no records)"][1]
     print(f"\nv3 / v2 reader rate per CPU-s: {ratio:.3f}; chunk_records: {records:.3f} B/token")
+
+
+def reader_codecs(source, logits_fn, vocab: int, args, work: pathlib.Path, label: str) -> None:
+    """Prints the reader's rate on one store per codec of ``--reader-codecs``, in alternating rounds in this one
+    process (best of each), with each store's bytes/token."""
+    readers, sizes = {}, {}
+    for codec in args.reader_codecs:
+        path = work / codec
+        write_cache(source, logits_fn, path, k=args.k, vocab_size=vocab, teacher="bench", logprob_codec=codec,
+                    samples_per_shard=8, micro_batch_size=args.micro_batch_size, progress=False)
+        readers[codec], sizes[codec] = TopKCacheReader(path), stored_bytes(path)
+    n, s = len(source), source.seq_length
+    best = {codec: (0.0, 0.0) for codec in readers}
+    for _ in range(args.rounds):
+        for codec, reader in readers.items():
+            wall, cpu = reader_rate(reader.__getitem__, n, s, repeats=3)
+            best[codec] = (max(best[codec][0], wall), max(best[codec][1], cpu))
+    print(f"\n### reader rate per log-prob codec, {label}: K={args.k}, {n} samples x {s} tokens, best of "
+          f"{args.rounds} alternating rounds x 3 random-order passes (TopKCacheReader[i], torch tensors)\n")
+    print("| codec | ids B/tok | log-probs B/tok | store B/tok | reader tok/s per CPU-s | wall | vs first |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    first = best[args.reader_codecs[0]][1]
+    for codec in readers:
+        size = sizes[codec]
+        print(f"| {codec} | {size[fmt.IDS] / (n * s):.1f} | {size[fmt.LOGPROBS] / (n * s):.1f} | "
+              f"{sum(size.values()) / (n * s):.1f} | {best[codec][1]:,.0f} | {best[codec][0]:,.0f} | "
+              f"{best[codec][1] / first:.3f} |")
 
 
 def baseline_rows(exact, k, work: pathlib.Path) -> list[dict]:
@@ -470,7 +501,10 @@ def main() -> None:
     parser.add_argument("--ep", type=int, nargs="+", default=[1], help="EP sizes for --overhead-hf qwen3_moe")
     parser.add_argument("--integrity-cost", action="store_true",
                         help="reader cost of format version 3's records, against the same store read as version 2")
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds for --integrity-cost")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="alternating rounds for --integrity-cost and --reader-codecs")
+    parser.add_argument("--reader-codecs", nargs="+", choices=sorted(fmt.LOGPROB_CODECS),
+                        help="only the reader's rate on a store of each of these log-prob codecs, side by side")
     parser.add_argument("--cross-tokenizer", action="store_true",
                         help="bytes/token and reader throughput of a cross-tokenizer store (issue #18)")
     args = parser.parse_args()
@@ -506,6 +540,9 @@ def main() -> None:
                 continue
             if args.integrity_cost:
                 integrity_cost(source, logits_fn, vocab, args, work, label)
+                continue
+            if args.reader_codecs:
+                reader_codecs(source, logits_fn, vocab, args, work, label)
                 continue
             exact = exact_topk(source, logits_fn, args.k)
             rows = baseline_rows(exact, args.k, work)

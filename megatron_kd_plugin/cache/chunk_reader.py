@@ -7,7 +7,8 @@ This reader does what the zarr v3 sharding spec says and nothing else: read the 
 shard file (``n_chunks × (offset, nbytes)`` little-endian uint64, then its CRC32C), read that byte range, check
 the chunk's own CRC32C when the chunk codecs end with ``crc32c``, and run the inner codecs backwards with
 numcodecs (zarr's own codec library). It accepts only layouts it understands (index at the end, codecs
-``bytes``/``blosc``/``zstd``/``numcodecs.*``, optionally ``crc32c`` last); :func:`open_chunk_reader` returns None
+``bytes``/``blosc``/``zstd``/``numcodecs.*`` (filters, or a serializer such as the log-prob grid,
+``logprob_grid.py``), optionally ``crc32c`` last); :func:`open_chunk_reader` returns None
 for anything else. Tests compare it with zarr's reads.
 
 It reads stores in which every chunk was written (format versions 2 and 3, ``format.py``): a missing shard file,
@@ -27,6 +28,7 @@ import google_crc32c
 import numcodecs
 import numpy as np
 import zarr
+from zarr.abc.codec import ArrayBytesCodec
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 _EMPTY = 2**64 - 1
@@ -52,6 +54,12 @@ def _checked(data: bytes, what: str) -> tuple[np.ndarray, int]:
     return view[:-4], stored
 
 
+def _numcodec(codec) -> numcodecs.abc.Codec:
+    """The numcodecs codec behind zarr's ``numcodecs.*`` wrapper ``codec``."""
+    spec = codec.to_dict()
+    return numcodecs.get_codec({"id": spec["name"].removeprefix("numcodecs."), **spec.get("configuration", {})})
+
+
 class ShardedChunkReader:
     """``reader.read(coords)`` -> the decoded inner chunk at chunk-grid coordinates ``coords``."""
 
@@ -65,7 +73,7 @@ class ShardedChunkReader:
         self.index_bytes = 16 * math.prod(self.per_shard) + 4
         self.dtype = np.dtype(array.dtype)
         self.chunk_nbytes = math.prod(self.chunk_shape) * self.dtype.itemsize
-        self.filters, self.compressors, self.checksummed = [], [], False
+        self.filters, self.compressors, self.checksummed, self.serializer = [], [], False, None
         for codec in sharding.codecs:
             if isinstance(codec, BytesCodec):
                 self.dtype = self.dtype.newbyteorder("<" if codec.endian in (None, "little") else ">")
@@ -73,10 +81,10 @@ class ShardedChunkReader:
                 self.checksummed = True
             elif isinstance(codec, (BloscCodec, ZstdCodec)):
                 self.compressors.append(numcodecs.Blosc() if isinstance(codec, BloscCodec) else numcodecs.Zstd())
+            elif isinstance(codec, ArrayBytesCodec):     # a numcodecs serializer: bytes -> values
+                self.serializer = _numcodec(codec)
             else:
-                spec = codec.to_dict()
-                self.filters.append(numcodecs.get_codec(
-                    {"id": spec["name"].removeprefix("numcodecs."), **spec.get("configuration", {})}))
+                self.filters.append(_numcodec(codec))
         self._index_cache: dict[tuple[int, ...], np.ndarray] = {}
 
     def _index(self, shard: tuple[int, ...], fd: int, path: pathlib.Path) -> np.ndarray:
@@ -152,7 +160,7 @@ class ShardedChunkReader:
             data, checksum = _checked(data, f"{self.where(path, shard)}, chunk {local}")
         for codec in reversed(self.compressors):
             data = codec.decode(data)
-        values = np.frombuffer(data, dtype=self.dtype)
+        values = np.frombuffer(data, dtype=self.dtype) if self.serializer is None else self.serializer.decode(data)
         for codec in reversed(self.filters):
             values = codec.decode(values)
         values = np.asarray(values).view(self.dtype)

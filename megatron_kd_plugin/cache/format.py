@@ -3,8 +3,10 @@
 Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``)::
 
     tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle      fill -1
-    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, bit shuffle  -1
-    teacher_logprobs   fp16|fp32 [N, S, K] same chunks/shards          (bit-rounding filter), blosc-zstd, shuffle NaN
+    teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, byte shuffle -1
+                                                    (bit shuffle with the log-prob codecs before grid8)
+    teacher_logprobs   float32 [N, S, K] same chunks/shards   grid8: log-prob grid serializer, blosc-zstd      NaN
+                       fp16|fp32 (older codecs)                (bit-rounding filter), blosc-zstd, byte shuffle
     teacher_logsumexp  float32 [N, S]    (only with ``store_logsumexp``) chunks [1, S] shards [P, S]          NaN
     teacher_proposal_lognorm float32 [N, S] (sampled stores with t != 1 only, see below) same chunks/shards    NaN
     teacher_realised_logprob  (cross-tokenizer stores only, see below) log-prob codec [N, S] chunks [1, S] shards [P, S]  NaN
@@ -35,9 +37,13 @@ Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` gi
 vocabulary at the cache temperature τ_c, so ``Σ_k exp(·) = m <= 1`` is the top-K mass;
 ``teacher_logsumexp[i, t] = LSE(z / τ_c)``. Within a row the K ids are sorted ascending by id (not by rank) and
 the log-probs follow the same order: a sorted K-subset of the vocabulary delta-codes to ~130 B/token at K=100,
-V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/cache.md). Ids are
-int32: vocabularies up to 2^31. Log-probs default to fp16 bit-rounded to 7 mantissa bits (bfloat16's precision):
-~106 B/token, mean round-trip KL ~2e-5 nats.
+V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/cache.md); on trained
+teachers blosc's byte shuffle of the deltas beats its bit shuffle by a third (their rows repeat the gap patterns
+of frequent ids). Ids are int32: vocabularies up to 2^31. The default log-prob codec ``grid8``
+(``logprob_grid.py``) stores each row as its float16 maximum and one 8-bit code per slot on a fixed grid below it
+(exact −inf for padding slots): ~70 B/token at K=100 on the trained teachers of ``tools/bench_codec.py`` at a mean
+round-trip KL of 3-6e-4 nats, against ~100 B/token and ~2e-5 for the fp16 bit-rounded to 7 mantissa bits
+(``fp16-bitround7``) it replaced, which stays readable and writable (docs/cache.md).
 
 Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issue #8): the same arrays with K = N
 draws per token from the proposal q ∝ p^(1/t) (``sample.py``): ``teacher_ids`` holds the N drawn ids sorted
@@ -52,7 +58,8 @@ teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K o
 the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``,
 o = ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and
 token t's byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only
-the realised log-prob is per token (~1.2 B/token in fp16-bitround7, docs/cache.md).
+the realised log-prob is per token (~1.2 B/token in fp16-bitround7, the codec of this array when the log-prob
+codec is a grid, which needs rows of several slots; docs/cache.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
@@ -92,6 +99,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
+from megatron_kd_plugin.cache.logprob_grid import LogprobGridZarr
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
@@ -116,14 +124,25 @@ SAMPLE_WEIGHTS = "teacher_sample_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
 
+GRID8 = (1 / 40, 0.5, 0.5, 24.0)
+"""(step, growth, max_step, span) of the default log-prob grid (``grid8``), chosen by ``tools/bench_codec.py``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LogprobCodec:
-    """How the top-K log-probs are stored on disk."""
+    """How the top-K log-probs (and the delta-coded ids beside them) are stored on disk."""
 
     dtype: str
-    """numpy dtype of the stored values ("float16" or "float32"; zarr has no bfloat16)."""
+    """numpy dtype of the stored values ("float16" or "float32"; zarr has no bfloat16); a grid codec decodes to
+    float32."""
     keepbits: int | None = None
     """Mantissa bits kept by a round-to-nearest bit-rounding filter (None: all); 7 is bfloat16's precision."""
+    grid: tuple[float, float, float, float] | None = None
+    """(step, growth, max_step, span) of the log-prob grid serializer (``logprob_grid.py``: a float16 row maximum
+    and one 8-bit code per slot); None: the values are stored as ``dtype`` floats."""
+    ids_shuffle: str = "bitshuffle"
+    """Blosc's shuffle of the delta-coded int32 ids: "bitshuffle" (the codecs before the grid) or "shuffle" (bytes:
+    a real teacher's rows repeat gap patterns of its frequent ids, which zstd finds only byte-wise; docs/cache.md)."""
 
 
 LOGPROB_CODECS = {
@@ -131,10 +150,13 @@ LOGPROB_CODECS = {
     "fp16": LogprobCodec(dtype="float16"),
     "fp16-bitround8": LogprobCodec(dtype="float16", keepbits=8),
     "fp16-bitround7": LogprobCodec(dtype="float16", keepbits=7),
+    "grid8": LogprobCodec(dtype="float32", grid=GRID8, ids_shuffle="shuffle"),
 }
-"""Named log-prob codecs; ``tools/bench_cache.py`` measures bytes/token and round-trip KL of each."""
+"""Named log-prob codecs; ``tools/bench_codec.py`` measures bytes/token and round-trip KL of each (docs/cache.md)."""
+REALISED_CODEC = LOGPROB_CODECS["fp16-bitround7"]
+"""The codec of ``teacher_realised_logprob`` (one value per token) in stores whose log-prob codec is a grid."""
 
-DEFAULT_LOGPROB_CODEC = "fp16-bitround7"
+DEFAULT_LOGPROB_CODEC = "grid8"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +222,12 @@ class CacheSpec:
     @property
     def logprob_dtype(self) -> str:
         return LOGPROB_CODECS[self.logprob_codec].dtype
+
+    @property
+    def realised_codec(self) -> LogprobCodec:
+        """The codec of ``teacher_realised_logprob``: the log-prob codec's, or :data:`REALISED_CODEC` for a grid."""
+        codec = LOGPROB_CODECS[self.logprob_codec]
+        return REALISED_CODEC if codec.grid is not None else codec
 
     @property
     def stores_proposal_lognorm(self) -> bool:
@@ -334,32 +362,40 @@ def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
     return WriterLock(staging, store=path).exclusive()
 
 
+def _logprob_codecs(codec: LogprobCodec, slots: int) -> dict[str, list]:
+    """The ``create_array`` codec arguments of a log-prob array of ``slots`` values per row; the chain ends with
+    CRC32C."""
+    if codec.grid is not None:
+        step, growth, max_step, span = codec.grid
+        return dict(serializer=LogprobGridZarr(slots=slots, step=step, growth=growth, max_step=max_step, span=span),
+                    compressors=[_blosc(1, "noshuffle"), Crc32cCodec()])
+    filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
+    return dict(filters=filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()])
+
+
 def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VERSION) -> None:
     """The arrays and attributes of ``spec`` (a store of format ``version``) in the empty group ``group``; every
     chunk chain ends with CRC32C."""
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
-    logprob_filters = [] if codec.keepbits is None else [numcodecs_zarr3.BitRound(keepbits=codec.keepbits)]
     nan = float("nan")
     group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
                        compressors=[_blosc(4), Crc32cCodec()], fill_value=-1, dimension_names=("sample", "position"))
     group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
-                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, "bitshuffle"),
+                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, codec.ids_shuffle),
                                                                                   Crc32cCodec()],
                        fill_value=-1, dimension_names=("sample", "position", slot))
     group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
-                       filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()],
-                       fill_value=nan, dimension_names=("sample", "position", slot))
+                       **_logprob_codecs(codec, k), fill_value=nan, dimension_names=("sample", "position", slot))
     for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
         group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                            compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
                            dimension_names=("sample", "position"))
     if spec.cross_tokenizer:
-        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=codec.dtype,
-                           filters=logprob_filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize),
-                                                                 Crc32cCodec()],
-                           fill_value=nan, dimension_names=("sample", "position"))
+        realised = spec.realised_codec
+        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=realised.dtype,
+                           **_logprob_codecs(realised, 1), fill_value=nan, dimension_names=("sample", "position"))
         v = spec.vocab_size + 1
         group.create_array(VOCAB_OFFSETS, shape=(v,), chunks=(v,), dtype="int64", fill_value=-1,
                            compressors=[_blosc(8), Crc32cCodec()], dimension_names=("token_id",))

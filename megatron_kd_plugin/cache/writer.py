@@ -255,7 +255,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
     if not out[fmt.IDS]:
         return {}
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
-              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.logprob_dtype}
+              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     return {fmt.TOKENS: windows.astype(np.int32)} | {name: torch.cat(values).numpy().astype(dtypes[name])
                                                       for name, values in out.items()}
 
