@@ -97,11 +97,15 @@ FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
-FORMAT_VERSION = 3
-"""3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to its place (2: without them;
-read with a warning); 2 and 3: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused,
-see :meth:`CacheSpec.from_attrs`)."""
-READ_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+"""The newest version. 4: version 3 plus top-p truncation (``top_p``, ``min_k``: rows with padding slots), written
+only for top-p stores (:attr:`CacheSpec.format_version`), so a version-3 reader refuses them by their version and
+keeps reading every other store; 3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to
+its place (2: without them; read with a warning); 2 to 4: CRC32C on every chunk and fill values no written chunk
+holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
+READ_VERSIONS = (2, 3, 4)
+TOP_P_FIELDS = ("top_p", "min_k")
+"""The :class:`CacheSpec` fields of a top-p store; absent from the attributes and the identity of other stores."""
 
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
@@ -172,6 +176,12 @@ class CacheSpec:
     vocab_bytes: int = 0
     """Cross-tokenizer arrays (``--cross-tokenizer``) when > 0: the length of the teacher vocabulary's byte table
     ``teacher_vocab_bytes``; the store then also holds ``teacher_realised_logprob`` (0: neither)."""
+    top_p: float | None = None
+    """Top-p truncation (``--top-p``, mode "topk" only): per token, the smallest set of highest-probability ids whose
+    mass reaches top_p, at least ``min_k`` and at most ``k`` (``topk.top_p_mask``); the other slots of the row are
+    padding (log-prob -inf, id 0, first in the row). None: every row holds its top-K."""
+    min_k: int | None = None
+    """The least number of ids a top-p store keeps per token (``--min-k``, 1 <= min_k <= k); None without top_p."""
 
     def __post_init__(self):
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
@@ -196,6 +206,16 @@ class CacheSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logprob_codec not in LOGPROB_CODECS:
             raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
+        if self.top_p is None and self.min_k is not None:
+            raise ValueError(f"min_k={self.min_k} applies to a top-p store only (set top_p)")
+        if self.top_p is not None:
+            if self.mode != "topk":
+                raise ValueError(f"top_p={self.top_p} applies to a top-K store only, not mode={self.mode!r} (a sampled "
+                                 "store draws its ids from the whole distribution)")
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1")
+            if self.min_k is None or not 1 <= self.min_k <= self.k:
+                raise ValueError(f"min_k={self.min_k}: expected 1 <= min_k <= k={self.k}")
 
     @property
     def logprob_dtype(self) -> str:
@@ -205,6 +225,16 @@ class CacheSpec:
     def stores_proposal_lognorm(self) -> bool:
         """A sampled store keeps G = logsumexp(l / t) per token only when t != 1 (else G = 0)."""
         return self.mode == "sampled" and self.proposal_temperature != 1.0
+
+    @property
+    def format_version(self) -> int:
+        """The version a store of this spec is written in: 4 for top-p stores, else 3 (see :data:`FORMAT_VERSION`)."""
+        return 4 if self.top_p is not None else 3
+
+    def described(self) -> dict[str, Any]:
+        """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store."""
+        fields = dataclasses.asdict(self)
+        return fields if self.top_p is not None else {k: v for k, v in fields.items() if k not in TOP_P_FIELDS}
 
     @property
     def cross_tokenizer(self) -> bool:
@@ -220,9 +250,11 @@ class CacheSpec:
         begin = shard * self.samples_per_shard
         return begin, min(begin + self.samples_per_shard, self.num_samples)
 
-    def to_attrs(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
-        """The group attributes that describe the store (``complete`` and ``progress`` aside)."""
-        attrs = dict(format=FORMAT_NAMES[self.mode], version=version, **dataclasses.asdict(self))
+    def to_attrs(self, version: int | None = None) -> dict[str, Any]:
+        """The group attributes that describe the store (``complete`` and ``progress`` aside), in ``version``
+        (default :attr:`format_version`)."""
+        version = self.format_version if version is None else version
+        attrs = dict(format=FORMAT_NAMES[self.mode], version=version, **self.described())
         return attrs | (dict(identity=store_identity(self, version)) if version >= 3 else {})
 
     @classmethod
@@ -239,16 +271,20 @@ class CacheSpec:
                              f"expected one of {FORMAT_NAMES}")
         if attrs.get("version") == 1:
             raise ValueError("cache format version 1 (no chunk checksums) is no longer read: a damaged chunk of it "
-                             f"would read back as data; rewrite the store in version {FORMAT_VERSION} (rerun the "
+                             f"would read back as data; rewrite the store in the current version (rerun the "
                              "cache command that wrote it, plus --overwrite)")
         if attrs.get("version") not in READ_VERSIONS:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
                              f"(this reader reads versions {READ_VERSIONS})")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{key: value for key, value in attrs.items() if key in names})
+            spec = cls(**{key: value for key, value in attrs.items() if key in names})
         except TypeError as exc:                          # a missing field, or a value of the wrong type
             raise ValueError(f"the store's attributes do not describe a cache ({exc})") from exc
+        if (attrs["version"] >= 4) != (spec.top_p is not None):
+            raise ValueError(f"format version {attrs['version']} with top_p={spec.top_p}: version 4 is the top-p "
+                             "stores' (and only theirs); the attributes were edited or the file is damaged")
+        return spec
 
     def differences(self, other: "CacheSpec") -> dict[str, tuple[Any, Any]]:
         """{field: (self's value, other's value)} for every field that differs."""
@@ -259,10 +295,12 @@ class CacheSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def store_identity(spec: CacheSpec, version: int = FORMAT_VERSION) -> str:
-    """SHA-256 (hex) of ``format``, ``version`` and every field of ``spec``: the store's identity (two stores with
-    the same identity hold the same rows: every shard depends only on the settings and its samples)."""
-    described = dict(format=FORMAT_NAMES[spec.mode], version=version, **dataclasses.asdict(spec))
+def store_identity(spec: CacheSpec, version: int | None = None) -> str:
+    """SHA-256 (hex) of ``format``, ``version`` (default ``spec.format_version``) and every field of ``spec`` (the
+    top-p ones only for a top-p store, :meth:`CacheSpec.described`): the store's identity (two stores with the same
+    identity hold the same rows: every shard depends only on the settings and its samples)."""
+    version = spec.format_version if version is None else version
+    described = dict(format=FORMAT_NAMES[spec.mode], version=version, **spec.described())
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -334,9 +372,10 @@ def _claim(staging: pathlib.Path, path: pathlib.Path) -> WriterLock:
     return WriterLock(staging, store=path).exclusive()
 
 
-def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VERSION) -> None:
-    """The arrays and attributes of ``spec`` (a store of format ``version``) in the empty group ``group``; every
-    chunk chain ends with CRC32C."""
+def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = None) -> None:
+    """The arrays and attributes of ``spec`` (a store of format ``version``, default ``spec.format_version``) in the
+    empty group ``group``; every chunk chain ends with CRC32C."""
+    version = spec.format_version if version is None else version
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
@@ -394,15 +433,17 @@ def _expected_documents(spec: CacheSpec, version: int) -> dict[str, dict]:
             for name, array in group.arrays()}
 
 
-def sample_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
-    """The arrays of the store with one chunk per sample (first dimension ``sample``), ``chunk_records``
-    included, sorted by name."""
+def sample_arrays(spec: CacheSpec, version: int | None = None) -> list[str]:
+    """The arrays of the store (format ``version``, default ``spec.format_version``) with one chunk per sample (first
+    dimension ``sample``), ``chunk_records`` included, sorted by name."""
+    version = spec.format_version if version is None else version
     return sorted(name for name, document in _expected_documents(spec, version).items()
                   if (document.get("dimension_names") or [None])[0] == "sample")
 
 
-def bound_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
+def bound_arrays(spec: CacheSpec, version: int | None = None) -> list[str]:
     """The arrays whose chunks ``chunk_records`` binds, in its column order (none before version 3)."""
+    version = spec.format_version if version is None else version
     records = _expected_documents(spec, version).get(RECORDS)
     return [] if records is None else list(records["attributes"]["arrays"])
 
