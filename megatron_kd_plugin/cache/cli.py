@@ -31,7 +31,7 @@ same draws at any TP/DP size and after a resume).
 ``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
 ``--logits-save-top-p-min-k``) keeps per token the smallest set of its highest-probability ids whose mass reaches
 P, at least M and at most K; the other slots are padding that costs ~nothing on disk (``cache/format.py``).
-
+"""
 
 from __future__ import annotations
 
