@@ -19,7 +19,7 @@ differing only in their loss:
                   top-100 store truncated to K and re-encoded with the cache's codecs, to measure its size)
     toppP         the fused loss (ghost tail) on a top-p store written by the same cache tool (``--top-p P``, cap K =
                   the preset's top-K, min-k 1, TP=2): per token the fewest top ids whose mass reaches P, P in
-                  {0.99, 0.999}
+                  {0.9, 0.99, 0.999}
 
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
@@ -48,7 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 TOPK = (1, 8, 32, 100)
 TAILS = ("ghost", "none", "renorm")
 SAMPLES = (8, 16, 32)
-TOP_P = (0.99, 0.999)
+TOP_P = (0.9, 0.99, 0.999)
 VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
             + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES)
             + tuple(f"topp{p}" for p in TOP_P))

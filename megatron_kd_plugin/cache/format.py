@@ -46,6 +46,15 @@ smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` t
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
 
+Top-p stores (``top_p`` set, ``cache --top-p P --min-k M``, issue #21, format version 4): K is the cap; row t keeps
+the smallest prefix of the teacher's ranked top-K whose mass reaches P, at least M ids (``topk.top_p_mask``), and
+its other K − kept slots are padding: id 0 with log-prob −inf, FIRST in the row, the kept ids ascending after them
+(so a row stays sorted, 0 ≤ every id, and the id range check still reads its ends; a padding run delta-codes to
+zeros and −inf repeats, ~nothing after blosc). A kept id 0 follows the padding. Consumers treat a −inf slot as no
+support (``loss/teacher.py``); ``inspect`` counts the finite slots. Version 4 is written only for top-p stores, so a
+version-3 reader refuses them by their version instead of serving padding it does not know; every other store is
+written (and hashed into its identity) exactly as before, version 3, without the top-p attributes.
+
 Cross-tokenizer stores (``vocab_bytes`` > 0, ``cache --cross-tokenizer``, issue #18) also hold what a student
 with another tokenizer needs (``megatron_kd_plugin.cache.align``): ``teacher_realised_logprob[i, t]`` = the
 teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K or not), in the log-prob codec; and
@@ -57,7 +66,8 @@ the realised log-prob is per token (~1.2 B/token in fp16-bitround7, docs/cache.m
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
 temperature, teacher and tokenizer identity, source-data fingerprint, log-prob codec, shard size, proposal
-temperature, sample seed), ``identity`` (version 3), ``complete`` and ``progress``.
+temperature, sample seed; top_p and min_k in top-p stores only), ``identity`` (versions 3 and 4), ``complete`` and
+``progress``.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
 arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), its
