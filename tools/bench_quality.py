@@ -324,15 +324,15 @@ def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature:
         name = tagged(variant, proposal_temperature)
         if name in sizes or variant in ("ce", "dense"):
             continue
-        if variant.startswith("top"):
+        if variant.startswith("topp"):
+            sizes[name] = dict(bytes_per_token=store_bytes_per_token(top_p_store(work, variant)),
+                               **kept_statistics(top_p_store(work, variant)))
+        elif variant.startswith("top"):
             k = int(variant.removeprefix("top").split("-")[0])
             sizes[name] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
             sizes[name] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n, proposal_temperature)))
-        elif variant.startswith("topp"):
-            sizes[name] = dict(bytes_per_token=store_bytes_per_token(top_p_store(work, variant)),
-                               **kept_statistics(top_p_store(work, variant)))
         else:
             n = int(variant.removeprefix("eqbytes"))
             k, size = equal_bytes_k(store, store_bytes_per_token(sampled_store(work, n, proposal_temperature)), scratch)
