@@ -127,7 +127,7 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
         header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
         lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
         for name, values in stats.items():
-            row = "  ".join(f"{v:4.3f}" if values.dtype.kind == "f" else f"{v:4.0f}"
+            row = "  ".join(f"{v:4.3f}" if values.dtype.kind == "f" else f"{v:5.0f}"
                             for v in np.quantile(values, QUANTILES, method="lower" if values.dtype.kind != "f"
                                                  else "linear"))
             lines.append(f"  {name:<28} {row}   mean {values.mean():.4f}")
