@@ -184,7 +184,7 @@ def test_top_p_rows_through_reader_dataset_loss_and_inspect(tmp_path, capsys):
                 labels=torch.stack([r["labels"] for r in rows], 1))
     assert (case["teacher_logprobs"] == -torch.inf).any()
     for tail, divergence in (("ghost", "forward_kl"), ("renorm", "jsd")):
-        ref, ref_dh, ref_dw = reference(case, tail=tail, divergence=divergence, temperature=1.3)
+        ref, ref_dh, ref_dw, _ = reference(case, tail=tail, divergence=divergence, temperature=1.3)
         got, dh, dw = run_loss(case, tail=tail, divergence=divergence, temperature=1.3)   # validate=True
         assert max(rel_err(got.loss_sum, ref), rel_err(dh, ref_dh), rel_err(dw, ref_dw)) < 1e-9
     assert inspect_main([str(tmp_path / "c")]) == 0
@@ -223,7 +223,7 @@ def _tp2_writer_and_loss(k: int, top_p: float, min_k: int):
     errors = {}
     for tail, divergence in COMBOS:
         options = dict(tail=tail, divergence=divergence, temperature=1.4, alpha=0.6, with_labels=True)
-        ref, ref_dh, ref_dw = reference(case, **options)
+        ref, ref_dh, ref_dw, _ = reference(case, **options)
         for impl, mode in (("fused", "recompute"), ("fused", "grad_in_forward"), ("forward_chunked", "recompute")):
             got, dh, dw = run_loss(case, weight=case["weight"][shard], tp_group=group, impl=impl, mode=mode,
                                    chunk_bytes=4 * 19 * 8 * 2, **options)

@@ -18,9 +18,10 @@ FORMULATIONS = [dict(impl="dense"), dict(impl="forward_chunked"), dict(impl="fus
 OPTIONS = [dict(temperature=1.0, alpha=1.0), dict(temperature=1.7, alpha=0.4, with_labels=True, jsd_beta=0.3)]
 
 
-def _token_kd(z: torch.Tensor, ids, logprobs, tail: str, divergence: str, tau: float, beta: float) -> torch.Tensor:
-    """One token's KD term from DESIGN.md section 1: the teacher's finite slots are its support (the padding slots
-    carry no probability, whatever their id), z [V] the student's logits."""
+def _token_kd(z: torch.Tensor, ids, logprobs, tail: str, divergence: str, tau: float,
+              beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's (KD term, student mass on the support) from DESIGN.md section 1: the teacher's finite slots are
+    its support (the padding slots carry no probability, whatever their id), z [V] the student's logits."""
     p = {int(i): math.exp(l) for i, l in zip(ids.tolist(), logprobs.tolist(), strict=True) if l > -math.inf}
     support = sorted(p)
     q = torch.softmax(z / tau, -1)
@@ -35,46 +36,50 @@ def _token_kd(z: torch.Tensor, ids, logprobs, tail: str, divergence: str, tau: f
         P, Q = torch.softmax(p_s.log() / tau, -1), q_s / q_s.sum()
     kl = lambda a, c: (a * (a / c).log()).sum()                # noqa: E731
     if divergence == "forward_kl":
-        return kl(P, Q)
+        return kl(P, Q), q_s.sum()
     if divergence == "reverse_kl":
-        return kl(Q, P)
+        return kl(Q, P), q_s.sum()
     M = beta * P + (1 - beta) * Q
-    return beta * kl(P, M) + (1 - beta) * kl(Q, M)
+    return beta * kl(P, M) + (1 - beta) * kl(Q, M), q_s.sum()
 
 
 def reference(case, *, tail, divergence, temperature=1.0, alpha=1.0, jsd_beta=0.5, with_labels=False,
               weight=None):
-    """(loss_sum, d hidden, d weight) in float64 by autograd over the per-token definitions."""
+    """(loss_sum, d hidden, d weight, student mass sum) in float64 by autograd over the per-token definitions."""
     hidden = case["hidden"].detach().double().clone().requires_grad_()
     weight = (case["weight"] if weight is None else weight).detach().double().clone().requires_grad_()
     z = hidden @ weight.t()                                    # [s, b, V]
-    total = z.new_zeros(())
+    total, mass = z.new_zeros(()), 0.0
     s, b = case["loss_mask"].shape
     for i in range(s):
         for j in range(b):
             w = float(case["loss_mask"][i, j])
             if w == 0:
                 continue
-            kd = _token_kd(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail, divergence,
+            kd, student_mass = _token_kd(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail, divergence,
                            temperature, jsd_beta)
             ce = -torch.log_softmax(z[i, j], -1)[case["labels"][i, j]] if with_labels else 0.0
             total = total + w * (alpha * temperature ** 2 * kd + (1 - alpha) * ce)
+            mass += float(student_mass)
     total.backward()
-    return total.detach(), hidden.grad, weight.grad
+    return total.detach(), hidden.grad, weight.grad, mass
 
 
 def ragged_errors(case, formulations, options_list, **loss_kwargs):
-    """{(tail, divergence, options index, formulation index): worst relative error of loss, dX, dW}."""
+    """{(tail, divergence, options index, formulation index): worst relative error of loss, dX, dW and the student
+    mass on the support (where the formulation reports it)}."""
     errors = {}
     for tail, divergence in COMBOS:
         for o, options in enumerate(options_list):
             options = dict(options, tail=tail, divergence=divergence)
-            ref, ref_dh, ref_dw = reference(case, **options)
+            ref, ref_dh, ref_dw, ref_mass = reference(case, **options)
             assert ref.abs() > 0 and ref_dh.abs().max() > 0, options
             for f, formulation in enumerate(formulations):
                 got, dh, dw = run_loss(case, **options, **formulation, **loss_kwargs)
+                mass = float(got.student_topk_mass_sum)
                 errors[tail, divergence, o, f] = max(rel_err(got.loss_sum, ref), rel_err(dh, ref_dh),
-                                                     rel_err(dw, ref_dw))
+                                                     rel_err(dw, ref_dw),
+                                                     0.0 if math.isnan(mass) else abs(mass / ref_mass - 1))
     return errors
 
 
