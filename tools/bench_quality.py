@@ -20,6 +20,7 @@ differing only in their loss:
     toppP         the fused loss (ghost tail) on a top-p store written by the same cache tool (``--top-p P``, cap K =
                   the preset's top-K, min-k 1, TP=2): per token the fewest top ids whose mass reaches P, P in
                   {0.9, 0.99, 0.999}
+    eqtoppP       top-K ghost with the largest K whose store takes no more bytes per token than toppP's (as eqbytesN)
 
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
@@ -51,7 +52,7 @@ SAMPLES = (8, 16, 32)
 TOP_P = (0.9, 0.99, 0.999)
 VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
             + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES)
-            + tuple(f"topp{p}" for p in TOP_P))
+            + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P))
 
 
 def _truncate_topk(batch: dict, k: int) -> dict:
@@ -120,7 +121,8 @@ def sampled_store(work: pathlib.Path, n: int, proposal_temperature: float) -> pa
 
 
 def top_p_store(work: pathlib.Path, variant: str) -> pathlib.Path:
-    return work / f"cache_{variant}.zarr"
+    """The top-p store a ``toppP`` or ``eqtoppP`` variant reads or is sized against."""
+    return work / f"cache_{variant.removeprefix('eq')}.zarr"
 
 
 def store_bytes_per_token(store: pathlib.Path) -> float:
@@ -248,7 +250,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
                            desc=f"eval {variant}")
     name = tagged(variant, proposal_temperature)
     size = sizes.get(name, {"bytes_per_token": 0.0})
-    name += f" (top{size['k']}-ghost)" if variant.startswith("eqbytes") else ""
+    name += f" (top{size['k']}-ghost)" if variant.startswith(("eqbytes", "eqtopp")) else ""
     return dict(variant=name, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
                 bytes_per_token=size["bytes_per_token"],
                 student_steps=cfg.student_steps, train_seconds=seconds,
@@ -307,12 +309,12 @@ def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str],
         except ValueError:                             # absent, or unfinished: the tool (re)writes or resumes it
             pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=n,
                                    proposal_temperature=proposal_temperature)
-    for variant in (v for v in variants if v.startswith("topp")):
+    for variant in (v for v in variants if v.startswith(("topp", "eqtopp"))):
         try:
             TopKCacheReader(top_p_store(work, variant))
         except ValueError:
             pipeline.cache_teacher(cfg, corpus, work / "teacher", top_p_store(work, variant),
-                                   top_p=float(variant.removeprefix("topp")))
+                                   top_p=float(variant.removeprefix("eq").removeprefix("topp")))
 
 
 def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature: float) -> dict:
@@ -333,6 +335,9 @@ def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature:
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
             sizes[name] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n, proposal_temperature)))
+        elif variant.startswith("eqtopp"):
+            k, size = equal_bytes_k(store, store_bytes_per_token(top_p_store(work, variant)), scratch)
+            sizes[name] = dict(k=k, bytes_per_token=size)
         else:
             n = int(variant.removeprefix("eqbytes"))
             k, size = equal_bytes_k(store, store_bytes_per_token(sampled_store(work, n, proposal_temperature)), scratch)
@@ -396,7 +401,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         values = [r[key] for r in rows]
         colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else "tab:olive" if n.startswith("topp")
                   else "tab:purple" if n.startswith("sample")
-                  else "tab:cyan" if n.startswith("eqbytes") else
+                  else "tab:cyan" if n.startswith(("eqbytes", "eqtopp")) else
                   {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[n.split("-")[1]] for n in names]
         ax.bar(range(len(rows)), values, color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
