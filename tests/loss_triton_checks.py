@@ -13,7 +13,7 @@ import torch
 from megatron_kd_plugin.kernels import reference
 from megatron_kd_plugin.loss.chunk_backends import TorchChunks
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_sampled_case,
+from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_ragged_case, make_sampled_case,
                                      make_saturated_case, make_small_tail_case, rel_err, run_loss)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,3 +151,14 @@ def test_triton_fused_tp2_matches_dense():
     """TP=2 over gloo with the interpreted kernels (the spawned ranks inherit TRITON_INTERPRET=1)."""
     worst = run_on_ranks(2, _tp2_body)
     assert max(worst) < 1e-5, worst
+
+
+def test_triton_fused_ragged_rows():
+    """A top-p store's ragged rows (1 to K real slots, padding id 0 / -inf, a kept id 0): each tail through the chunk
+    loop (renorm with the CE mix), both modes, against the float64 dense reference (every tail x divergence of
+    these rows against the float64 definitions: tests/test_loss_ragged.py)."""
+    low, exact = _on_device(make_ragged_case(s=3, b=5, hidden_size=11, vocab=VOCAB, k=5), torch.float32)
+    for tail, divergence in (("ghost", "forward_kl"), ("ghost", "reverse_kl"), ("none", "forward_kl"),
+                             ("renorm", "jsd")):
+        options = dict(OPTIONS[1] if tail == "renorm" else OPTIONS[0], tail=tail, divergence=divergence)
+        assert _errors(low, exact, options, **CHUNK) < 1e-5, options

@@ -131,3 +131,21 @@ def make_small_tail_case(tail_mass: float):
     true_tail = 1.0 - case["teacher_logprobs"].double().exp().sum(-1)
     assert (true_tail - tail_mass).abs().max() < 0.2 * tail_mass
     return case
+
+
+def make_ragged_case(*, s=3, b=5, hidden_size=9, vocab=37, k=8, seed=0, teacher_vocab=None):
+    """``make_case``'s student, mask and labels with a top-p teacher's ragged rows, laid out as a top-p store holds
+    them (``cache/writer.py``): per token its kept ids ascending after K - kept padding slots (id 0, log-prob -inf).
+    Kept counts run from 1 to K (every count appears); on the first tokens the teacher's top id is 0, so a kept id
+    0 shares its id with the padding."""
+    case = make_case(s=s, b=b, hidden_size=hidden_size, vocab=vocab, k=k, seed=seed, duplicates=False,
+                     padding=False, teacher_vocab=teacher_vocab)
+    gen = torch.Generator().manual_seed(seed + 2)
+    teacher = (torch.randn(s, b, teacher_vocab or vocab, generator=gen, dtype=torch.float64) * 2)
+    teacher[:, :2, 0] += 6.0                                   # id 0 kept (and ranked first) on tokens 0-1 of each row
+    logprobs, ids = teacher.log_softmax(-1).topk(k, dim=-1)   # [s, b, K] rank order
+    kept = torch.arange(s * b).reshape(s, b) % k + 1           # [s, b] 1..K
+    keep = torch.arange(k) < kept[..., None]
+    ids = torch.where(keep, ids, -1).sort(dim=-1, stable=True)
+    logprobs = torch.where(keep, logprobs, -torch.inf).gather(-1, ids.indices)
+    return dict(case, teacher_ids=ids.values.clamp(min=0).to(torch.int32), teacher_logprobs=logprobs)

@@ -17,6 +17,10 @@ differing only in their loss:
                   from the teacher (N in {8, 16, 32}), the same alpha
     eqbytesN      top-K ghost with the largest K whose store takes no more bytes per token than sampleN's (the
                   top-100 store truncated to K and re-encoded with the cache's codecs, to measure its size)
+    toppP         the fused loss (ghost tail) on a top-p store written by the same cache tool (``--top-p P``, cap K =
+                  the preset's top-K, min-k 1, TP=2): per token the fewest top ids whose mass reaches P, P in
+                  {0.9, 0.99, 0.999}
+    eqtoppP       top-K ghost with the largest K whose store takes no more bytes per token than toppP's (as eqbytesN)
 
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
 
@@ -45,8 +49,10 @@ if str(REPO_ROOT) not in sys.path:
 TOPK = (1, 8, 32, 100)
 TAILS = ("ghost", "none", "renorm")
 SAMPLES = (8, 16, 32)
+TOP_P = (0.9, 0.99, 0.999)
 VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
-            + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES))
+            + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES)
+            + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P))
 
 
 def _truncate_topk(batch: dict, k: int) -> dict:
@@ -112,6 +118,11 @@ def tagged(variant: str, proposal_temperature: float) -> str:
 
 def sampled_store(work: pathlib.Path, n: int, proposal_temperature: float) -> pathlib.Path:
     return work / f"cache_{tagged(f'sample{n}', proposal_temperature)}.zarr"
+
+
+def top_p_store(work: pathlib.Path, variant: str) -> pathlib.Path:
+    """The top-p store a ``toppP`` or ``eqtoppP`` variant reads or is sized against."""
+    return work / f"cache_{variant.removeprefix('eq')}.zarr"
 
 
 def store_bytes_per_token(store: pathlib.Path) -> float:
@@ -217,6 +228,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
             store, tail, step_func = sampled_store(work, n, proposal_temperature), "sampled", None
+        elif variant.startswith("topp"):
+            store, tail, step_func = top_p_store(work, variant), "ghost", None
         else:
             k, tail = (variant.removeprefix("top").split("-") if variant.startswith("top")
                        else (sizes[tagged(variant, proposal_temperature)]["k"], "ghost"))
@@ -237,7 +250,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
                            desc=f"eval {variant}")
     name = tagged(variant, proposal_temperature)
     size = sizes.get(name, {"bytes_per_token": 0.0})
-    name += f" (top{size['k']}-ghost)" if variant.startswith("eqbytes") else ""
+    name += f" (top{size['k']}-ghost)" if variant.startswith(("eqbytes", "eqtopp")) else ""
     return dict(variant=name, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
                 bytes_per_token=size["bytes_per_token"],
                 student_steps=cfg.student_steps, train_seconds=seconds,
@@ -280,7 +293,8 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
 
 
 def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str], proposal_temperature: float) -> None:
-    """The sampled stores the chosen variants read (``sampleN``, ``eqbytesN``), by the cache tool at TP=2."""
+    """The sampled and top-p stores the chosen variants read (``sampleN``, ``eqbytesN``, ``toppP``), by the cache
+    tool at TP=2."""
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.demo import scratch as pipeline
     from megatron_kd_plugin.demo.data import DemoCorpus
@@ -295,6 +309,12 @@ def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str],
         except ValueError:                             # absent, or unfinished: the tool (re)writes or resumes it
             pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=n,
                                    proposal_temperature=proposal_temperature)
+    for variant in (v for v in variants if v.startswith(("topp", "eqtopp"))):
+        try:
+            TopKCacheReader(top_p_store(work, variant))
+        except ValueError:
+            pipeline.cache_teacher(cfg, corpus, work / "teacher", top_p_store(work, variant),
+                                   top_p=float(variant.removeprefix("eq").removeprefix("topp")))
 
 
 def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature: float) -> dict:
@@ -306,18 +326,37 @@ def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature:
         name = tagged(variant, proposal_temperature)
         if name in sizes or variant in ("ce", "dense"):
             continue
-        if variant.startswith("top"):
+        if variant.startswith("topp"):
+            sizes[name] = dict(bytes_per_token=store_bytes_per_token(top_p_store(work, variant)),
+                               **kept_statistics(top_p_store(work, variant)))
+        elif variant.startswith("top"):
             k = int(variant.removeprefix("top").split("-")[0])
             sizes[name] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
             sizes[name] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n, proposal_temperature)))
+        elif variant.startswith("eqtopp"):
+            k, size = equal_bytes_k(store, store_bytes_per_token(top_p_store(work, variant)), scratch)
+            sizes[name] = dict(k=k, bytes_per_token=size)
         else:
             n = int(variant.removeprefix("eqbytes"))
             k, size = equal_bytes_k(store, store_bytes_per_token(sampled_store(work, n, proposal_temperature)), scratch)
             sizes[name] = dict(k=k, bytes_per_token=size)
         path.write_text(json.dumps(sizes, indent=1) + "\n")
     return sizes
+
+
+def kept_statistics(store: pathlib.Path) -> dict[str, float]:
+    """A top-p store's cap ``k``, mean ``kept`` ids per token and mean ``mass`` they hold, over every cached token."""
+    import numpy as np
+
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache import format as fmt
+
+    reader = TopKCacheReader(store)
+    logprobs = reader.group[fmt.LOGPROBS][:].astype(np.float64)                         # [N, S, K]
+    return dict(k=reader.spec.k, kept=float(np.isfinite(logprobs).sum(-1).mean()),
+                mass=float(np.exp(logprobs).sum(-1).mean()))
 
 
 def teacher_topk_mass(store: pathlib.Path) -> dict[int, float]:
@@ -360,8 +399,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, key, label in ((axes[0], "kl_to_teacher", "held-out KL(teacher ‖ student), nats/token"),
                            (axes[1], "perplexity", "held-out perplexity")):
         values = [r[key] for r in rows]
-        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else "tab:purple" if n.startswith("sample")
-                  else "tab:cyan" if n.startswith("eqbytes") else
+        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else "tab:olive" if n.startswith("topp")
+                  else "tab:purple" if n.startswith("sample")
+                  else "tab:cyan" if n.startswith(("eqbytes", "eqtopp")) else
                   {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[n.split("-")[1]] for n in names]
         ax.bar(range(len(rows)), values, color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
@@ -417,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     mass = teacher_topk_mass(work / "cache.zarr")
     text = table(rows) + "\n\nTeacher probability mass in its top-K, mean over the cached tokens: " + ", ".join(
         f"K={k}: {m:.3f}" for k, m in mass.items())
+    sizes = json.loads((work / "bench" / "bytes.json").read_text())
+    text += "".join(f"\n\n{v}: {sizes[v]['kept']:.2f} ids kept per token (mean, cap {sizes[v]['k']}), mass kept "
+                    f"{sizes[v]['mass']:.4f}" for v in args.variants if v.startswith("topp"))
     (work / "results.md").write_text(text + "\n")
     plot(rows, work / "quality.png")
     print("\n" + text + f"\n\n[bench] {work / 'results.md'}, {work / 'quality.png'}")

@@ -52,6 +52,15 @@ smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` t
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
 
+Top-p stores (``top_p`` set, ``cache --top-p P --min-k M``, issue #21, format version 4): K is the cap; row t keeps
+the smallest prefix of the teacher's ranked top-K whose mass reaches P, at least M ids (``topk.top_p_mask``), and
+its other K − kept slots are padding: id 0 with log-prob −inf, FIRST in the row, the kept ids ascending after them
+(so a row stays sorted, 0 ≤ every id, and the id range check still reads its ends; a padding run delta-codes to
+zeros and −inf repeats, ~nothing after blosc). A kept id 0 follows the padding. Consumers treat a −inf slot as no
+support (``loss/teacher.py``); ``inspect`` counts the finite slots. Version 4 is written only for top-p stores, so a
+version-3 reader refuses them by their version instead of serving padding it does not know; every other store is
+written (and hashed into its identity) exactly as before, version 3, without the top-p attributes.
+
 Cross-tokenizer stores (``vocab_bytes`` > 0, ``cache --cross-tokenizer``, issue #18) also hold what a student
 with another tokenizer needs (``megatron_kd_plugin.cache.align``): ``teacher_realised_logprob[i, t]`` = the
 teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K or not), in the log-prob codec; and
@@ -64,7 +73,8 @@ codec is a grid, which needs rows of several slots; docs/cache.md).
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
 temperature, teacher and tokenizer identity, source-data fingerprint, log-prob codec, shard size, proposal
-temperature, sample seed), ``identity`` (version 3), ``complete`` and ``progress``.
+temperature, sample seed; top_p and min_k in top-p stores only), ``identity`` (versions 3 and 4), ``complete`` and
+``progress``.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
 arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), its
@@ -105,11 +115,15 @@ FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
-FORMAT_VERSION = 3
-"""3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to its place (2: without them;
-read with a warning); 2 and 3: CRC32C on every chunk and fill values no written chunk holds (1: neither; refused,
-see :meth:`CacheSpec.from_attrs`)."""
-READ_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+"""The newest version. 4: version 3 plus top-p truncation (``top_p``, ``min_k``: rows with padding slots), written
+only for top-p stores (:attr:`CacheSpec.format_version`), so a version-3 reader refuses them by their version and
+keeps reading every other store; 3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to
+its place (2: without them; read with a warning); 2 to 4: CRC32C on every chunk and fill values no written chunk
+holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
+READ_VERSIONS = (2, 3, 4)
+TOP_P_FIELDS = ("top_p", "min_k")
+"""The :class:`CacheSpec` fields of a top-p store; absent from the attributes and the identity of other stores."""
 
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
@@ -194,6 +208,12 @@ class CacheSpec:
     vocab_bytes: int = 0
     """Cross-tokenizer arrays (``--cross-tokenizer``) when > 0: the length of the teacher vocabulary's byte table
     ``teacher_vocab_bytes``; the store then also holds ``teacher_realised_logprob`` (0: neither)."""
+    top_p: float | None = None
+    """Top-p truncation (``--top-p``, mode "topk" only): per token, the smallest set of highest-probability ids whose
+    mass reaches top_p, at least ``min_k`` and at most ``k`` (``topk.top_p_mask``); the other slots of the row are
+    padding (log-prob -inf, id 0, first in the row). None: every row holds its top-K."""
+    min_k: int | None = None
+    """The least number of ids a top-p store keeps per token (``--min-k``, 1 <= min_k <= k); None without top_p."""
 
     def __post_init__(self):
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
@@ -218,6 +238,16 @@ class CacheSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logprob_codec not in LOGPROB_CODECS:
             raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
+        if self.top_p is None and self.min_k is not None:
+            raise ValueError(f"min_k={self.min_k} applies to a top-p store only (set top_p)")
+        if self.top_p is not None:
+            if self.mode != "topk":
+                raise ValueError(f"top_p={self.top_p} applies to a top-K store only, not mode={self.mode!r} (a sampled "
+                                 "store draws its ids from the whole distribution)")
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1")
+            if self.min_k is None or not 1 <= self.min_k <= self.k:
+                raise ValueError(f"min_k={self.min_k}: expected 1 <= min_k <= k={self.k}")
 
     @property
     def logprob_dtype(self) -> str:
@@ -235,6 +265,16 @@ class CacheSpec:
         return self.mode == "sampled" and self.proposal_temperature != 1.0
 
     @property
+    def format_version(self) -> int:
+        """The version a store of this spec is written in: 4 for top-p stores, else 3 (see :data:`FORMAT_VERSION`)."""
+        return 4 if self.top_p is not None else 3
+
+    def described(self) -> dict[str, Any]:
+        """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store."""
+        fields = dataclasses.asdict(self)
+        return fields if self.top_p is not None else {k: v for k, v in fields.items() if k not in TOP_P_FIELDS}
+
+    @property
     def cross_tokenizer(self) -> bool:
         """Whether the store holds the arrays a student with another tokenizer needs (``vocab_bytes`` > 0)."""
         return self.vocab_bytes > 0
@@ -248,9 +288,11 @@ class CacheSpec:
         begin = shard * self.samples_per_shard
         return begin, min(begin + self.samples_per_shard, self.num_samples)
 
-    def to_attrs(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
-        """The group attributes that describe the store (``complete`` and ``progress`` aside)."""
-        attrs = dict(format=FORMAT_NAMES[self.mode], version=version, **dataclasses.asdict(self))
+    def to_attrs(self, version: int | None = None) -> dict[str, Any]:
+        """The group attributes that describe the store (``complete`` and ``progress`` aside), in ``version``
+        (default :attr:`format_version`)."""
+        version = self.format_version if version is None else version
+        attrs = dict(format=FORMAT_NAMES[self.mode], version=version, **self.described())
         return attrs | (dict(identity=store_identity(self, version)) if version >= 3 else {})
 
     @classmethod
@@ -267,16 +309,20 @@ class CacheSpec:
                              f"expected one of {FORMAT_NAMES}")
         if attrs.get("version") == 1:
             raise ValueError("cache format version 1 (no chunk checksums) is no longer read: a damaged chunk of it "
-                             f"would read back as data; rewrite the store in version {FORMAT_VERSION} (rerun the "
+                             f"would read back as data; rewrite the store in the current version (rerun the "
                              "cache command that wrote it, plus --overwrite)")
         if attrs.get("version") not in READ_VERSIONS:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "
                              f"(this reader reads versions {READ_VERSIONS})")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{key: value for key, value in attrs.items() if key in names})
+            spec = cls(**{key: value for key, value in attrs.items() if key in names})
         except TypeError as exc:                          # a missing field, or a value of the wrong type
             raise ValueError(f"the store's attributes do not describe a cache ({exc})") from exc
+        if (attrs["version"] >= 4) != (spec.top_p is not None):
+            raise ValueError(f"format version {attrs['version']} with top_p={spec.top_p}: version 4 is the top-p "
+                             "stores' (and only theirs); the attributes were edited or the file is damaged")
+        return spec
 
     def differences(self, other: "CacheSpec") -> dict[str, tuple[Any, Any]]:
         """{field: (self's value, other's value)} for every field that differs."""
@@ -287,10 +333,12 @@ class CacheSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def store_identity(spec: CacheSpec, version: int = FORMAT_VERSION) -> str:
-    """SHA-256 (hex) of ``format``, ``version`` and every field of ``spec``: the store's identity (two stores with
-    the same identity hold the same rows: every shard depends only on the settings and its samples)."""
-    described = dict(format=FORMAT_NAMES[spec.mode], version=version, **dataclasses.asdict(spec))
+def store_identity(spec: CacheSpec, version: int | None = None) -> str:
+    """SHA-256 (hex) of ``format``, ``version`` (default ``spec.format_version``) and every field of ``spec`` (the
+    top-p ones only for a top-p store, :meth:`CacheSpec.described`): the store's identity (two stores with the same
+    identity hold the same rows: every shard depends only on the settings and its samples)."""
+    version = spec.format_version if version is None else version
+    described = dict(format=FORMAT_NAMES[spec.mode], version=version, **spec.described())
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -373,9 +421,10 @@ def _logprob_codecs(codec: LogprobCodec, slots: int) -> dict[str, list]:
     return dict(filters=filters, compressors=[_blosc(np.dtype(codec.dtype).itemsize), Crc32cCodec()])
 
 
-def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int = FORMAT_VERSION) -> None:
-    """The arrays and attributes of ``spec`` (a store of format ``version``) in the empty group ``group``; every
-    chunk chain ends with CRC32C."""
+def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = None) -> None:
+    """The arrays and attributes of ``spec`` (a store of format ``version``, default ``spec.format_version``) in the
+    empty group ``group``; every chunk chain ends with CRC32C."""
+    version = spec.format_version if version is None else version
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
@@ -430,15 +479,17 @@ def _expected_documents(spec: CacheSpec, version: int) -> dict[str, dict]:
             for name, array in group.arrays()}
 
 
-def sample_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
-    """The arrays of the store with one chunk per sample (first dimension ``sample``), ``chunk_records``
-    included, sorted by name."""
+def sample_arrays(spec: CacheSpec, version: int | None = None) -> list[str]:
+    """The arrays of the store (format ``version``, default ``spec.format_version``) with one chunk per sample (first
+    dimension ``sample``), ``chunk_records`` included, sorted by name."""
+    version = spec.format_version if version is None else version
     return sorted(name for name, document in _expected_documents(spec, version).items()
                   if (document.get("dimension_names") or [None])[0] == "sample")
 
 
-def bound_arrays(spec: CacheSpec, version: int = FORMAT_VERSION) -> list[str]:
+def bound_arrays(spec: CacheSpec, version: int | None = None) -> list[str]:
     """The arrays whose chunks ``chunk_records`` binds, in its column order (none before version 3)."""
+    version = spec.format_version if version is None else version
     records = _expected_documents(spec, version).get(RECORDS)
     return [] if records is None else list(records["attributes"]["arrays"])
 

@@ -79,7 +79,7 @@ class SampleReader:
             warnings.warn(f"{self.path} is a cache of format version {self.version}: its chunks are not bound to "
                           "their places and its attributes carry no checksum, so a moved, swapped or copied shard "
                           "file or an edited attribute would read back as data; rewrite it in version "
-                          f"{fmt.FORMAT_VERSION} (rerun the cache command that wrote it, plus --overwrite)",
+                          f"{spec.format_version} (rerun the cache command that wrote it, plus --overwrite)",
                           stacklevel=3)
 
     @staticmethod

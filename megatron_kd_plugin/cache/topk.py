@@ -120,6 +120,16 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float = 1.
     return TeacherTopK(ids=idx, logprobs=vals - lse.unsqueeze(-1), logsumexp=lse, finite=finite)
 
 
+def top_p_mask(logprobs: torch.Tensor, top_p: float, min_k: int) -> torch.Tensor:
+    """bool ``[..., K]``: which of the ranked top-K slots (log-probs ``[..., K]`` in rank order, log-prob desc) a
+    top-p row keeps (the module docstring's rule): slot k iff the mass of the slots before it is below ``top_p``, or
+    k < ``min_k``."""
+    p = logprobs.double().exp()                                                  # [..., K]
+    before = torch.cat([torch.zeros_like(p[..., :1]), p[..., :-1].cumsum(-1)], dim=-1)
+    rank = torch.arange(p.shape[-1], device=p.device)
+    return (before < top_p) | (rank < min_k)
+
+
 def vocab_parallel_label_logprobs(logits: torch.Tensor, labels: torch.Tensor, logsumexp: torch.Tensor, *,
                                   temperature: float = 1.0, tp_group=None) -> torch.Tensor:
     """float32 ``[s, b]``: z_y − LSE(z) of each token's label y (global ids ``[s, b]``), z = logits / τ_c.

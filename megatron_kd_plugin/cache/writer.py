@@ -41,7 +41,7 @@ from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
-from megatron_kd_plugin.cache.topk import vocab_parallel_label_logprobs, vocab_parallel_topk
+from megatron_kd_plugin.cache.topk import top_p_mask, vocab_parallel_label_logprobs, vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
@@ -133,8 +133,8 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, re
             try:
                 group, on_disk = fmt.open_store(output, mode="r+")
                 differences = spec.differences(on_disk)
-                if group.attrs["version"] != fmt.FORMAT_VERSION:
-                    differences["version"] = (fmt.FORMAT_VERSION, group.attrs["version"])
+                if group.attrs["version"] != spec.format_version:
+                    differences["version"] = (spec.format_version, group.attrs["version"])
             except ValueError as exc:
                 differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
             if not differences:
@@ -217,8 +217,13 @@ def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int
         finite = draw.finite
     else:
         top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
-        ids, order = top.ids.sort(dim=-1)
-        rows = {fmt.IDS: ids, fmt.LOGPROBS: top.logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}
+        ids, logprobs = top.ids, top.logprobs                                    # [s, b, K] rank order
+        if spec.top_p is not None:                    # padding: id 0 with log-prob -inf, first in the row
+            keep = top_p_mask(logprobs, spec.top_p, spec.min_k)
+            ids = torch.where(keep, ids, -1)
+            logprobs = torch.where(keep, logprobs, -torch.inf)
+        ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
+        rows = {fmt.IDS: ids.clamp(min=0), fmt.LOGPROBS: logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}
         finite = top.finite
     if spec.cross_tokenizer:
         rows[fmt.REALISED_LOGPROB] = vocab_parallel_label_logprobs(logits, labels, rows[fmt.LOGSUMEXP],
@@ -372,12 +377,14 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                overwrite: bool = False, repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                top_p: float | None = None, min_k: int | None = None, overwrite: bool = False, repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 vocab_table=None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
+    ``top_p`` (with ``min_k``, default 1) keeps per token the smallest set of its top-``k`` ids whose mass reaches
+    ``top_p``, at least ``min_k`` of them; the other slots are padding (``format.CacheSpec.top_p``).
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
     store: it also holds the byte table and each token's realised log-prob (``format.py``).
 
@@ -397,7 +404,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
                          proposal_temperature=proposal_temperature, sample_seed=sample_seed,
-                         vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes))
+                         vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes), top_p=top_p,
+                         min_k=min_k if min_k is not None or top_p is None else 1)
     check_vocab(source, vocab_size)
     if vocab_table is not None and len(vocab_table.offsets) != vocab_size + 1:
         raise ValueError(f"the teacher tokenizer's byte table covers {len(vocab_table.offsets) - 1} ids, the teacher's "

@@ -27,6 +27,10 @@ round-trip through the byte table first.
 ``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
 same draws at any TP/DP size and after a resume).
+
+``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
+``--logits-save-top-p-min-k``) keeps per token the smallest set of its highest-probability ids whose mass reaches
+P, at least M and at most K; the other slots are padding that costs ~nothing on disk (``cache/format.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
     p.add_argument("--num-samples", type=int, default=None, help="first N windows only (default: all)")
     p.add_argument("--topk", type=int, default=None, help="K of a top-K store (default 100)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="top-p store: per token the smallest set of its highest-probability ids whose mass reaches P "
+                        "(0 < P <= 1), at least --min-k, at most --topk (the cap); the other slots are padding")
+    p.add_argument("--min-k", type=int, default=None, metavar="M",
+                   help="the least number of ids a top-p store keeps per token (default 1; only with --top-p)")
     p.add_argument("--sample", type=int, default=None, metavar="N",
                    help="write a sampled store of N draws per token instead of the top-K")
     p.add_argument("--proposal-temperature", type=float, default=None,
@@ -102,7 +111,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{flag}={value}: expected >= 1")
     if args.proposal_temperature is not None and not args.proposal_temperature > 0:
         p.error(f"--proposal-temperature={args.proposal_temperature}: expected > 0")
+    check_top_p(args)
     return args
+
+
+def check_top_p(args) -> None:
+    """ValueError (one line) for top-p options that do not make a store; ``args.min_k`` defaults to 1 with
+    ``--top-p``."""
+    if args.top_p is None:
+        if args.min_k is not None:
+            raise ValueError(f"--min-k={args.min_k} only applies to a top-p store: add --top-p P")
+        return
+    if args.mode == "sampled":
+        raise ValueError("--top-p and --sample exclude each other: a top-p store keeps the most probable ids up to "
+                         "the mass P (--topk K is its cap), a sampled store draws N ids from the whole distribution")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p={args.top_p}: expected 0 < P <= 1")
+    args.min_k = 1 if args.min_k is None else args.min_k
+    if not 1 <= args.min_k <= args.slots:
+        raise ValueError(f"--min-k={args.min_k}: expected 1 <= M <= --topk={args.slots} (the cap)")
 
 
 def check_world(world: int, *, tp: int, pp: int, ep: int) -> None:
@@ -243,7 +270,7 @@ def run(args) -> None:
             samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
             micro_batch_size=args.micro_batch_size, mode=args.mode,
             proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-            sample_seed=args.sample_seed or 0, overwrite=args.overwrite, repair=args.repair,
+            sample_seed=args.sample_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite, repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
             progress=not args.no_progress, after_shards=teacher.finish, vocab_table=vocab_table)
@@ -279,6 +306,7 @@ def report(args, source, stats) -> None:
     stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
     tokens = len(source) * source.seq_length
     slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.slots}"
+    slots += f", top-p {args.top_p} (min-k {args.min_k})" if args.top_p is not None else ""
     print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
           f"{stored / tokens:.1f} bytes/token on disk", flush=True)
     if stats.tokens:
@@ -291,9 +319,8 @@ def report(args, source, stats) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        run(args)
+        run(parse_args(sys.argv[1:] if argv is None else argv))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -4,7 +4,8 @@ Prints the attributes, completeness (and the missing samples of an unfinished st
 (total and per array; zarr temporaries a kill left are counted apart, the next run deletes them), and over up to
 N written samples (evenly spaced) the quantiles of the top-K mass m = Σ_k p_k and of the teacher entropy over the
 K+1 buckets (the K ids plus the tail as one bucket: H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the
-full-vocab entropy). For a sampled store (``mode``
+full-vocab entropy). For a top-p store, also the number of ids kept per token (the finite slots) and the mass
+they hold. For a sampled store (``mode``
 shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
 ``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking reader
 (``records.py``: every CRC32C, every chunk's record, every shard file present) and names every damaged shard
@@ -30,14 +31,14 @@ QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
 
 def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(top-K mass ``[...]``, K+1-bucket entropy ``[...]``) of log-probs ``[..., K]``."""
+    """(top-K mass ``[...]``, K+1-bucket entropy ``[...]``) of log-probs ``[..., K]`` (-inf: a padding slot)."""
     logprobs = logprobs.astype(np.float64)
     p = np.exp(logprobs)
     mass = p.sum(-1)
     tail = np.clip(1.0 - mass, 0.0, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         tail_term = np.where(tail > 0, tail * np.log(tail), 0.0)
-    return mass, -(p * logprobs).sum(-1) - tail_term
+        return mass, -np.where(p > 0, p * logprobs, 0.0).sum(-1) - tail_term
 
 
 def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +86,8 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
         checked = SampleReader(path, group, spec)
     slots = f"top-K, K={spec.k}" if spec.mode == "topk" else \
         f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
+    if spec.top_p is not None:
+        slots = f"top-p, P={spec.top_p}, min-k={spec.min_k}, at most K={spec.k} ids per token (the rest padding)"
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
     lines += [f"warning: {warning.message}" for warning in caught]
     missing = fmt.missing_samples(group, spec)
@@ -118,11 +121,15 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
             stats = {"distinct ids": distinct.ravel(), "mass of the drawn ids": mass.ravel()}
         else:
             mass, entropy = topk_statistics(logprobs)
-            stats = {"top-K mass": mass.ravel(), "entropy (nats, K+1 buckets)": entropy.ravel()}
+            kept = {} if spec.top_p is None else {"kept ids per token": np.isfinite(logprobs).sum(-1).ravel()}
+            stats = kept | {"top-K mass" if spec.top_p is None else "mass kept": mass.ravel(),
+                            "entropy (nats, K+1 buckets)": entropy.ravel()}
         header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
         lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
         for name, values in stats.items():
-            row = "  ".join(f"{v:4.3f}" for v in np.quantile(values, QUANTILES))
+            row = "  ".join(f"{v:4.3f}" if values.dtype.kind == "f" else f"{v:5.0f}"
+                            for v in np.quantile(values, QUANTILES, method="lower" if values.dtype.kind != "f"
+                                                 else "linear"))
             lines.append(f"  {name:<28} {row}   mean {values.mean():.4f}")
     return "\n".join(lines), stats
 
