@@ -517,3 +517,23 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
         for a, b in zip(tp1["history"], rank_history):
             for key in ("loss", "chunk loss", "lm loss", "grad norm"):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
+
+
+def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_path):
+    """``demo --student-tokenizer unigram --preset mini``: teacher, A-ce, A-kd, B-ce and one B-alm row per --alm,
+    finite bits per byte, the chunk/CE gradient-norm ratio of each ALM run."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.distributed import scaled
+
+    command = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "unigram", "--preset",
+               "mini", "--output", str(tmp_path), "--alm", "1:4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(900))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads((tmp_path / "results.json").read_text())}
+    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-alm alpha=1 tau=4"] and list(rows)[0].startswith("teacher")
+    assert all(0 < row["bpb"] < 10 for row in rows.values())
+    assert rows["B-alm alpha=1 tau=4"]["chunk_pull"] > 0
+    assert "| B-alm alpha=1 tau=4 |" in done.stdout

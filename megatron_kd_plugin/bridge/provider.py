@@ -117,8 +117,9 @@ class TopKCacheDatasetProvider(DatasetProvider):
             if not alignments.load(path):
                 try:
                     alignments.save(path)
-                except PermissionError:
-                    warnings.warn(f"{path.parent} is read-only: the student alignments stay in memory", stacklevel=2)
+                except OSError as error:                 # a read-only folder or file system
+                    warnings.warn(f"{path}: not written ({error}); the student alignments stay in memory",
+                                  stacklevel=2)
         return alignments
 
     def build_datasets(self, context: DatasetBuildContext):

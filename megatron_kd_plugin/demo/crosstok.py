@@ -72,7 +72,8 @@ class CrossTokConfig:
 
 PRESETS = {
     "default": CrossTokConfig(),
-    "mini": CrossTokConfig(vocab=384, seq_length=32, train_bytes=40_000, heldout_bytes=8_000, teacher_layers=1,
+    # for tests: every stage and row, toy sizes
+    "mini": CrossTokConfig(vocab=384, seq_length=32, train_bytes=20_000, heldout_bytes=5_000, teacher_layers=1,
                            teacher_hidden=32, teacher_steps=4, steps=3, k=4),
 }
 
