@@ -21,6 +21,9 @@ Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m =
     tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m,
     chunk_ids [S_s] int64: k(b_{p+1}) - 1 for used chunks, else -1,
     teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
+
+Two steps: ``align_sample`` (the encode and the chunk indices k(b_j), k(e_i): no seq_length, no log-probs; what
+``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
 """
 
 from __future__ import annotations
