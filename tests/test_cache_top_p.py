@@ -149,7 +149,7 @@ def test_cache_spec_refuses_bad_top_p(fields, message):
     (["--min-k", "2"], "error: --min-k=2 only applies to a top-p store: add --top-p P"),
 ])
 def test_cli_refuses_bad_top_p_in_one_line_writing_nothing(tmp_path, capsys, argv, message):
-    from megatron_kd_plugin.cache.cli import main
+    from megatron_kd_plugin.commands.cache import main
 
     assert main(["--teacher", str(tmp_path / "t"), "--data", "d", "--output", str(tmp_path / "o"),
                  "--seq-length", "8", "--topk", "8", *argv]) == 2
@@ -158,7 +158,7 @@ def test_cli_refuses_bad_top_p_in_one_line_writing_nothing(tmp_path, capsys, arg
 
 
 def test_cli_refuses_top_p_with_sample(tmp_path, capsys):
-    from megatron_kd_plugin.cache.cli import main
+    from megatron_kd_plugin.commands.cache import main
 
     assert main(["--teacher", "t", "--data", "d", "--output", str(tmp_path / "o"), "--seq-length", "8",
                  "--sample", "8", "--top-p", "0.9"]) == 2
@@ -169,7 +169,7 @@ def test_cli_refuses_top_p_with_sample(tmp_path, capsys):
 
 def test_top_p_rows_through_reader_dataset_loss_and_inspect(tmp_path, capsys):
     from megatron_kd_plugin.bridge.dataset import TopKCacheDataset
-    from megatron_kd_plugin.cache.inspect import main as inspect_main
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c", top_p=P, min_k=MIN_K)
     reader = TopKCacheReader(tmp_path / "c")

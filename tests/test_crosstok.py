@@ -207,21 +207,76 @@ def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped
         student_ends(student, ids, "and againX|endoftext|>Numbers again", "test")
 
 
+def reference_drop_spaces(pieces: list[bytes], want: bytes) -> tuple[list[int], int | None]:
+    """Token by token: keep a piece matching where it stands, else drop its leading space if that makes it match,
+    else fail at its start (lengths, None) / (lengths, failing byte)."""
+    lengths, position = [len(p) for p in pieces], 0
+    for j, piece in enumerate(pieces):
+        if want.startswith(piece, position):
+            position += len(piece)
+        elif piece[:1] == b" " and want.startswith(piece[1:], position):
+            lengths[j] -= 1
+            position += len(piece) - 1
+        else:
+            return lengths, position
+    return lengths, None if position == len(want) else position
+
+
+def test_inserted_spaces_are_dropped_as_the_token_by_token_reference_does():
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+                                                           unk_token="<unk>"))
+    student = TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+    rng = np.random.default_rng(3)
+    words = " ".join(TEXTS[:5]).split(" ")
+    checked = {"dropped": 0, "error": 0}
+    for case in range(40):
+        parts = [" ".join(rng.choice(words, int(rng.integers(1, 6)))) for _ in range(int(rng.integers(1, 5)))]
+        text = "<|endoftext|>".join((" " if rng.random() < 0.3 else "") + p for p in parts)
+        ids = np.asarray(student.encode(text))
+        want = text.encode()
+        if case % 4 == 3:                                       # a text the tokens do not spell: an error somewhere
+            at = int(rng.choice([i for i, byte in enumerate(want) if byte < 0x80]))          # stays valid UTF-8
+            want = want[:at] + (b"#" if want[at:at + 1] != b"#" else b"%") + want[at + 1:]
+        expected, error = reference_drop_spaces([student.strings[i] for i in ids], want)
+        if error is None:
+            assert student_ends(student, ids, want.decode(), "t").tolist() == np.cumsum(expected).tolist()
+            checked["dropped"] += sum(len(student.strings[i]) for i in ids) > len(want)
+        else:
+            with pytest.raises(ValueError, match=f"disagree at byte {error}:"):
+                student_ends(student, ids, want.decode(), "t")
+            checked["error"] += 1
+    assert checked["dropped"] and checked["error"]
+
+
+def test_encode_is_the_tokenizers_own(tokenizers_pair):
+    for table in tokenizers_pair:
+        assert [table.encode(t) for t in TEXTS[:5]] == [table.tokenizer.encode(t, add_special_tokens=False).ids
+                                                        for t in TEXTS[:5]]
+        assert table.encode_batch(TEXTS[:5]) == [table.encode(t) for t in TEXTS[:5]]
+
+
 # ---- store and dataset --------------------------------------------------------------------------------------------
+
+def small_store(path, teacher: TokenBytes, *, n: int = 8, seq: int = 24, fingerprint: str = "xtok"):
+    """A cross-tokenizer store of ``n`` samples of the TEXTS stream, teacher = a random bigram table; the table."""
+    stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
+    table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
+    source = TokenWindows(stream, seq, num_samples=n, fingerprint=fingerprint, tokenizer="bpe",
+                          tokenizer_vocab_size=V_TEACHER)
+    write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+                teacher="table", samples_per_shard=4, logprob_codec="fp32", progress=False,
+                vocab_table=TokenBytes.from_tokenizer(teacher.tokenizer, vocab_size=V_TEACHER))
+    return table
+
 
 def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, tokenizers_pair):
     from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
 
     teacher, student = tokenizers_pair
-    stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
-    seq, n = 24, 8
-    table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
-    source = TokenWindows(stream, seq, num_samples=n, fingerprint="xtok", tokenizer="bpe",
-                          tokenizer_vocab_size=V_TEACHER)
-    path = tmp_path / "cache.zarr"
-    write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
-                teacher="table", samples_per_shard=4, logprob_codec="fp32", progress=False,
-                vocab_table=TokenBytes.from_tokenizer(teacher.tokenizer, vocab_size=V_TEACHER))
+    n, path = 8, tmp_path / "cache.zarr"
+    table = small_store(path, teacher, n=n)
     reader = TopKCacheReader(path)
     assert reader.vocab_table().strings == teacher.strings
     logp = torch.log_softmax(table.double(), -1)
@@ -238,6 +293,44 @@ def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, 
                                            teacher, student, 16)
         assert item[CHUNK_IDS].tolist() == positions.tolist()
         np.testing.assert_allclose(item[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-5)
+
+
+def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path, tokenizers_pair):
+    """A row read again, a row after ``prepare`` (batch encode) and a row after loading the sidecar equal the
+    reference row; the sidecar is refused for another student tokenizer or another store, a damaged one raises."""
+    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
+    from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
+
+    teacher, student = tokenizers_pair
+    n, seq = 8, 16
+    small_store(tmp_path / "a.zarr", teacher, n=n)
+    small_store(tmp_path / "b.zarr", teacher, n=n, fingerprint="another")
+    reader = TopKCacheReader(tmp_path / "a.zarr")
+    sidecar = sidecar_path(reader, student)
+    assert sidecar.parent == tmp_path and sidecar.name.startswith("a.zarr.align-")
+    StudentAlignments(reader, student).save(sidecar)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", sidecar.name, "b.zarr"]   # no temporary left
+    lazy, prepared, loaded = (StudentAlignments(reader, student) for _ in range(3))
+    prepared.prepare(range(n))
+    assert loaded.load(sidecar) and len(loaded) == len(prepared) == n and len(lazy) == 0
+    for alignments in (lazy, prepared, loaded):
+        data = CrossTokenizerDataset(reader, np.arange(n), student=student, seq_length=seq, num_rows=2 * n, seed=0,
+                                     shuffle=False, alignments=alignments)
+        for i in range(2 * n):                                            # two epochs: the second reads kept ones
+            item, cached = data[i], reader[i % n]
+            positions, sums, ids = reference_row(cached["tokens"].tolist(),
+                                                 cached["teacher_realised_logprob"].numpy(), teacher, student, seq)
+            assert item[CHUNK_IDS].tolist() == positions.tolist(), (i, alignments)
+            np.testing.assert_allclose(item[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-5)
+            m = int(item["loss_mask"].sum())
+            assert item["tokens"][:m].tolist() == ids[:m] and item["labels"][:m].tolist() == ids[1:m + 1]
+    assert len(lazy) == n
+    other_student = TokenBytes.from_tokenizer(train_unigram(250), identity="unigram250")
+    assert not StudentAlignments(reader, other_student).load(sidecar)
+    assert not StudentAlignments(TopKCacheReader(tmp_path / "b.zarr"), student).load(sidecar)
+    sidecar.write_bytes(sidecar.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="damaged student-alignment sidecar"):
+        StudentAlignments(reader, student).load(sidecar)
 
 
 # ---- the loss -----------------------------------------------------------------------------------------------------
@@ -393,7 +486,8 @@ def _bridge_tp1_body(folder):
             refusals[name] = str(exc)
     _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json")), progress=False)
     return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
-                mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history)
+                mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history,
+                sidecars=[p.name for p in folder.glob("xtok.zarr.align-*.npz")])
 
 
 def _bridge_tp2_body(folder):
@@ -413,6 +507,7 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
     assert tp1["tokens"] == tp1["mask"] > 0
     assert math.isclose(tp1["loss"], tp1["expected"], rel_tol=1e-5), tp1
     assert tp1["report"] == ["chunk gap", "chunk loss", "chunks", "lm loss"]
+    assert len(tp1["sidecars"]) == 1                                      # the alignments, written beside the store
     assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
     assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
     assert "chunks would be split across CP ranks" in tp1["refusals"]["context parallel"]
@@ -422,3 +517,23 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
         for a, b in zip(tp1["history"], rank_history):
             for key in ("loss", "chunk loss", "lm loss", "grad norm"):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
+
+
+def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_path):
+    """``demo --student-tokenizer unigram --preset mini``: teacher, A-ce, A-kd, B-ce and one B-alm row per --alm,
+    finite bits per byte, the chunk/CE gradient-norm ratio of each ALM run."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.distributed import scaled
+
+    command = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "unigram", "--preset",
+               "mini", "--output", str(tmp_path), "--alm", "1:4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(900))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads((tmp_path / "results.json").read_text())}
+    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-alm alpha=1 tau=4"] and list(rows)[0].startswith("teacher")
+    assert all(0 < row["bpb"] < 10 for row in rows.values())
+    assert rows["B-alm alpha=1 tau=4"]["chunk_pull"] > 0
+    assert "| B-alm alpha=1 tau=4 |" in done.stdout

@@ -66,7 +66,7 @@ def prepare_scratch_teacher(name: str, output: pathlib.Path, samples: int, **ove
     from megatron_kd_plugin.demo import scratch
     from megatron_kd_plugin.demo.data import build_corpus, token_windows
     from megatron_kd_plugin.demo.train import single_process_megatron
-    from megatron_kd_plugin.gpt import gpt_logits, load_gpt
+    from megatron_kd_plugin.models.gpt import gpt_logits, load_gpt
 
     cfg = scratch.PRESETS["small"]
     if "vocab_size" in overrides:
@@ -172,7 +172,7 @@ def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: f
 
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.cache import format as fmt
-    from megatron_kd_plugin.cache.inspect import stored_bytes
+    from megatron_kd_plugin.commands.inspect import stored_bytes
     from megatron_kd_plugin.cache.writer import store_shard
 
     ids, exact = rows.top(k, top_p, pad)

@@ -16,7 +16,8 @@ samplers continues on exactly the rows it would have seen, and any DP size / bat
 
 ``CrossTokenizerDataset`` (issue #18): a student with its own tokenizer; each cached sample gives one row, its text
 re-tokenised by the student and aligned into chunks (``megatron_kd_plugin.cache.align``), with ``chunk_ids`` and
-``teacher_chunk_logprobs`` instead of the teacher's top-K.
+``teacher_chunk_logprobs`` instead of the teacher's top-K; each sample's alignment is computed once
+(``cache.student_alignments``), so a later read costs one realised log-prob array and the cut.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, cross_tokenizer_row
+from megatron_kd_plugin.cache import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, StudentAlignments, alignment_row
 
 
 class TopKCacheDataset(torch.utils.data.Dataset):
@@ -81,11 +82,13 @@ class TopKCacheDataset(torch.utils.data.Dataset):
 
 class CrossTokenizerDataset(TopKCacheDataset):
     """``num_rows`` rows of a student whose tokenizer (``student``, a ``token_bytes.TokenBytes``) differs from the
-    teacher's: one row of ``seq_length`` student tokens per cached sample (``align.cross_tokenizer_row``)."""
+    teacher's: one row of ``seq_length`` student tokens per cached sample (``align.alignment_row``). Each sample's
+    alignment is computed once and kept (``alignments``: a ``StudentAlignments`` of this reader and student, perhaps
+    prepared or loaded from its sidecar; default: a new one, filled on first use)."""
 
     def __init__(self, reader, sample_ids: np.ndarray, *, student, seq_length: int, num_rows: int, seed: int,
-                 shuffle: bool = True):
-        self.teacher, self.student = reader.vocab_table(), student
+                 shuffle: bool = True, alignments: StudentAlignments | None = None):
+        self.alignments = StudentAlignments(reader, student) if alignments is None else alignments
         super().__init__(reader, sample_ids, seq_length=seq_length, num_rows=num_rows, seed=seed, shuffle=shuffle)
 
     @staticmethod
@@ -96,6 +99,7 @@ class CrossTokenizerDataset(TopKCacheDataset):
 
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
         sample, _ = self.window_of(int(row))
-        arrays = self.reader.sample_arrays(sample, (TOKENS, REALISED_LOGPROB))
-        return cross_tokenizer_row(arrays[TOKENS], arrays[REALISED_LOGPROB], self.teacher, self.student,
-                                   self.seq_length, where=f"{self.reader.path} sample {sample}")
+        known = self.alignments.known(sample)
+        arrays = self.reader.sample_arrays(sample, (REALISED_LOGPROB,) if known else (TOKENS, REALISED_LOGPROB))
+        alignment = self.alignments.get(sample, None if known else arrays[TOKENS])
+        return alignment_row(alignment, arrays[REALISED_LOGPROB], self.seq_length)

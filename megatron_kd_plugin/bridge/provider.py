@@ -10,12 +10,14 @@ student's (and, through ``check_kd_config``, its vocabulary inside the student's
 With ``student_tokenizer`` (a tokenizer.json, or the student's HF tokenizer / checkpoint folder) of another identity
 than the store's tokenizer, every split is a ``CrossTokenizerDataset`` instead (issue #18): each cached sample is
 re-tokenised by the student and cut at a chunk boundary to ``seq_length``; the store must be a cross-tokenizer one
-(``cache --cross-tokenizer``).
+(``cache --cross-tokenizer``). The alignments are computed once per store and student tokenizer and kept in a sidecar
+file beside the store (``student_alignments``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -59,6 +61,13 @@ class TopKCacheDatasetProvider(DatasetProvider):
     ``CrossTokenizerDataset``; seq_length need not divide the cache's). None, or the store's own tokenizer: the
     teacher's tokens and top-K as they are."""
 
+    student_alignments: str = "sidecar"
+    """Cross-tokenizer rows: where each cached sample's student tokenization and chunks come from
+    (``cache.student_alignments``). ``sidecar``: the file ``<store>.align-<tokenizer hash>.npz`` beside the store,
+    or, when absent or of another store/tokenizer, computed for the whole store (batch encode) before step one and
+    written there atomically (kept in memory only where the folder is read-only); ``memory``: computed on each
+    sample's first read and kept in memory."""
+
     def finalize(self) -> None:
         """Check the fields that need no store (Bridge calls this while validating the config)."""
         super().finalize()
@@ -67,6 +76,8 @@ class TopKCacheDatasetProvider(DatasetProvider):
         if self.k is not None and self.k < 1:
             raise ValueError(f"dataset.k={self.k}: expected >= 1 or None")
         parse_and_normalize_split(self.split)
+        if self.student_alignments not in ("sidecar", "memory"):
+            raise ValueError(f"dataset.student_alignments={self.student_alignments!r}: expected 'sidecar' or 'memory'")
 
     def student_table(self, reader: TopKCacheReader, vocab_size: int | None = None):
         """The student tokenizer's ``TokenBytes`` when the rows are cross-tokenizer ones (``student_tokenizer`` of
@@ -96,6 +107,21 @@ class TopKCacheDatasetProvider(DatasetProvider):
             reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=self.k)
         return reader
 
+    def alignments(self, reader: TopKCacheReader, student):
+        """The ``StudentAlignments`` the splits share (``student_alignments``)."""
+        from megatron_kd_plugin.cache import StudentAlignments, sidecar_path
+
+        alignments = StudentAlignments(reader, student)
+        if self.student_alignments == "sidecar":
+            path = sidecar_path(reader, student)
+            if not alignments.load(path):
+                try:
+                    alignments.save(path)
+                except OSError as error:                 # a read-only folder or file system
+                    warnings.warn(f"{path}: not written ({error}); the student alignments stay in memory",
+                                  stacklevel=2)
+        return alignments
+
     def build_datasets(self, context: DatasetBuildContext):
         """(train, valid, test) ``TopKCacheDataset``s with the sample counts Bridge asks for (None if 0)."""
         reader = self.open_validated()
@@ -103,6 +129,7 @@ class TopKCacheDatasetProvider(DatasetProvider):
         bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
         n = reader.spec.num_samples
         counts = (context.train_samples, context.valid_samples, context.test_samples)
+        alignments = None if student is None else self.alignments(reader, student)
         datasets = []
         for index, (bound, rows) in enumerate(zip(bounds, counts)):
             if bound is None or not rows:
@@ -114,7 +141,8 @@ class TopKCacheDatasetProvider(DatasetProvider):
                 continue
             if student is not None:
                 datasets.append(CrossTokenizerDataset(reader, sample_ids, student=student, seq_length=self.seq_length,
-                                                      num_rows=rows, seed=self.seed + index, shuffle=self.shuffle))
+                                                      num_rows=rows, seed=self.seed + index, shuffle=self.shuffle,
+                                                      alignments=alignments))
                 continue
             datasets.append(TopKCacheDataset(reader, sample_ids, seq_length=self.seq_length, num_rows=rows,
                                              seed=self.seed + index, shuffle=self.shuffle))

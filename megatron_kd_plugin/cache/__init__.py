@@ -6,16 +6,18 @@ sampling and the importance weights, ``sources.py`` token windows (Megatron inde
 ``teacher_forward.py`` the teacher's forward under TP x PP x EP, ``writer.py`` the resumable (DP x TP) writer,
 ``lock.py`` its one-run-at-a-time lock, ``reader.py`` random access as torch tensors (``records.py`` its checked
 sample reads, ``chunk_reader.py`` the checking chunk reads under them), ``token_bytes.py`` and ``align.py`` the
-teacher tokenizer's byte table and the cross-tokenizer chunk alignment. The commands that drive them (``cache``,
+teacher tokenizer's byte table and the cross-tokenizer chunk alignment (``student_alignments.py`` each
+sample's alignment computed once, in memory and in a sidecar beside the store). The commands that drive them (``cache``,
 ``inspect``) are in ``megatron_kd_plugin.commands``.
 
 The names below are the interface the layers above (``bridge``, the commands) read stores through.
 """
 
-from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, cross_tokenizer_row
+from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, alignment_row
 from megatron_kd_plugin.cache.format import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, CacheSpec
 from megatron_kd_plugin.cache.reader import TopKCacheReader
+from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
 __all__ = ["CHUNK_IDS", "CHUNK_LOGPROBS", "REALISED_LOGPROB", "SAMPLE_WEIGHTS", "TOKENS", "CacheSpec",
-           "TokenBytes", "TopKCacheReader", "cross_tokenizer_row"]
+           "StudentAlignments", "TokenBytes", "TopKCacheReader", "alignment_row", "sidecar_path"]

@@ -21,9 +21,14 @@ Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m =
     tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m,
     chunk_ids [S_s] int64: k(b_{p+1}) - 1 for used chunks, else -1,
     teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
+
+Two steps: ``align_sample`` (the encode and the chunk indices k(b_j), k(e_i): no seq_length, no log-probs; what
+``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -49,69 +54,101 @@ def student_ends(student: TokenBytes, ids: np.ndarray, text: str, where: str) ->
     a SentencePiece-style tokenizer prepends to a piece (at the start, and after each special token) that the text
     does not hold is dropped from that token."""
     want = np.frombuffer(text.encode(), dtype=np.uint8)
-    got = student.concat(ids)
-    lengths = student.lengths[ids]
-    if len(got) != len(want) or not np.array_equal(got, want):
-        lengths, at = _drop_prefix_spaces(student, ids, want.tobytes())
-        if at is not None:
-            raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte "
-                             f"{at}: its tokens give {student.concat(ids).tobytes()[max(0, at - 12):at + 12]!r}, the "
-                             f"teacher's text {want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: "
-                             "the student tokenizer normalises or drops characters, or has no token for them)")
+    lengths, at = _drop_prefix_spaces(student, ids, want)
+    if at is not None:
+        raise ValueError(f"{where}: the student tokenizer {student.identity!r} and the text disagree at byte "
+                         f"{at}: its tokens give {student.concat(ids).tobytes()[max(0, at - 12):at + 12]!r}, the "
+                         f"teacher's text {want[max(0, at - 12):at + 12].tobytes()!r} (an unalignable byte span: "
+                         "the student tokenizer normalises or drops characters, or has no token for them)")
     return np.cumsum(lengths)
 
 
-def _drop_prefix_spaces(student: TokenBytes, ids: np.ndarray, want: bytes) -> tuple[np.ndarray, int | None]:
+def _drop_prefix_spaces(student: TokenBytes, ids: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, int | None]:
     """(token lengths with inserted leading spaces removed, None) or (-, the first byte of ``want`` no token
-    matches)."""
-    lengths, position = student.lengths[ids].copy(), 0
-    for j, token in enumerate(ids.tolist()):
-        piece = student.strings[token]
-        if want.startswith(piece, position):
-            position += len(piece)
-        elif piece[:1] == b" " and want.startswith(piece[1:], position):
-            lengths[j] -= 1
-            position += len(piece) - 1
-        else:
-            return lengths, position
-    return lengths, None if position == len(want) else position
+    matches). Token by token: a piece that matches the text where it stands is kept; one that does not, starts with
+    a space and matches without it loses the space; any other is a mismatch. Vectorised: the tokens before the first
+    differing byte all match as they are, so only the token holding that byte is looked at, once per dropped space.
+    """
+    lengths = student.lengths[ids].copy()                                          # [n]
+    got, text = student.concat(ids), want.tobytes()
+    while True:
+        common = min(len(got), len(want))
+        differ = np.flatnonzero(got[:common] != want[:common])
+        if differ.size == 0 and len(got) <= len(want):
+            return lengths, None if len(got) == len(want) else len(got)
+        first = int(differ[0]) if differ.size else common                          # got runs past the text
+        ends = np.cumsum(lengths)
+        j = int(np.searchsorted(ends, first, side="right"))                        # the token holding that byte
+        start = int(ends[j] - lengths[j])
+        piece = student.strings[int(ids[j])]
+        if piece[:1] != b" " or not text.startswith(piece[1:], start):
+            return lengths, start
+        lengths[j] -= 1
+        got = np.delete(got, start)
 
 
-def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
-                        seq_length: int, *, where: str = "sample") -> dict[str, torch.Tensor]:
-    """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
-    ``realised_logprobs`` [S]; ``where`` names the sample in errors."""
+@dataclasses.dataclass(frozen=True)
+class SampleAlignment:
+    """One cached sample re-tokenised by the student and cut into chunks, for any seq_length (module docstring;
+    chunk indices are 0-based indices k into B: a token with end e lies in chunk k(e); k = num_boundaries for the
+    tokens after the last common boundary). What a reader keeps per sample: ~4.5 B per student token plus 4 per
+    teacher token."""
+
+    ids: np.ndarray
+    """int32 [n]: the student's ids of the sample's text."""
+    student_chunks: np.ndarray
+    """int32 [n]: k(b_j), non-decreasing."""
+    teacher_chunks: np.ndarray
+    """int32 [S]: k(e_i) of teacher tokens i = 1..S (the tokens with a realised log-prob)."""
+    num_boundaries: int
+    """|B|."""
+
+
+def align_sample(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *, ids: np.ndarray | None = None,
+                 where: str = "sample") -> SampleAlignment:
+    """The alignment of one cached sample's teacher ``tokens`` [S + 1]; ``ids``: the student's encoding of its text
+    (``valid_text``) when already known (a batch encode), else encoded here; ``where`` names the sample in errors."""
     tokens = np.asarray(tokens, dtype=np.int64)
     teacher_ends = np.cumsum(teacher.lengths[tokens])                                  # [S + 1] e_i
     u, chars = valid_text(teacher.concat(tokens).tobytes())
-    ids = np.asarray(student.encode(chars), dtype=np.int64)
+    ids = np.asarray(student.encode(chars) if ids is None else ids, dtype=np.int64)
     ends = student_ends(student, ids, chars, where) + u                                # [n] b_j
     is_teacher_end = np.zeros(int(teacher_ends[-1]) + 1 if len(tokens) else 1, dtype=bool)
     is_teacher_end[teacher_ends] = True
     common = ends[is_teacher_end[ends]]                                                # B, sorted
     common = common[(common > u) & np.append(common[1:] != common[:-1], True)]         # unique
-    # the cut: the last boundary whose student token index is <= seq_length
-    token_at = np.searchsorted(ends, common, side="right") - 1                        # last student token ending at B_k
-    fits = np.flatnonzero(token_at <= seq_length)
-    last = int(fits[-1]) if fits.size else -1                                          # K
-    m = int(token_at[last]) if last >= 0 else min(len(ids) - 1, seq_length)
-    m = max(m, 0)
+    return SampleAlignment(ids.astype(np.int32), np.searchsorted(common, ends, side="left").astype(np.int32),
+                           np.searchsorted(common, teacher_ends[1:], side="left").astype(np.int32), len(common))
+
+
+def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq_length: int) -> dict[str, torch.Tensor]:
+    """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]."""
+    ids, student_k = alignment.ids, alignment.student_chunks
+    # the cut: K = the last boundary whose student token index is <= seq_length
+    token_at = np.searchsorted(student_k, np.arange(alignment.num_boundaries), side="right") - 1   # token ending at B_k
+    last = int(np.searchsorted(token_at, seq_length, side="right")) - 1                         # K
+    m = max(int(token_at[last]) if last >= 0 else min(len(ids) - 1, seq_length), 0)
     row_chunks = np.full(seq_length, -1, dtype=np.int64)
     chunk_logprobs = np.zeros(seq_length, dtype=np.float64)
     if last >= 1:
-        bounds = common[:last + 1]
-        student_k = np.searchsorted(bounds, ends[1:m + 1], side="left")                # chunk of tokens 1..m
-        row_chunks[:m] = np.where((student_k >= 1) & (student_k <= last), student_k - 1, -1)
-        teacher_k = np.searchsorted(bounds, teacher_ends[1:], side="left")              # chunk of teacher 1..S
+        labels_k = student_k[1:m + 1]                                                  # chunk of tokens 1..m
+        row_chunks[:m] = np.where((labels_k >= 1) & (labels_k <= last), labels_k - 1, -1)
+        teacher_k = alignment.teacher_chunks
         used = (teacher_k >= 1) & (teacher_k <= last)
         np.add.at(chunk_logprobs, teacher_k[used] - 1, np.asarray(realised_logprobs, dtype=np.float64)[used])
     row_tokens = np.zeros(seq_length, dtype=np.int64)
     labels = np.zeros(seq_length, dtype=np.int64)
-    kept = ids[:m + 1]
-    row_tokens[:m], labels[:m] = kept[:m], kept[1:m + 1]
+    row_tokens[:m], labels[:m] = ids[:m], ids[1:m + 1]
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     loss_mask[:m] = 1.0
     return {"tokens": torch.from_numpy(row_tokens), "labels": torch.from_numpy(labels),
             "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(seq_length, dtype=torch.long),
             CHUNK_IDS: torch.from_numpy(row_chunks),
             CHUNK_LOGPROBS: torch.from_numpy(chunk_logprobs.astype(np.float32))}
+
+
+def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
+                        seq_length: int, *, where: str = "sample") -> dict[str, torch.Tensor]:
+    """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
+    ``realised_logprobs`` [S]; ``where`` names the sample in errors."""
+    return alignment_row(align_sample(tokens, teacher, student, where=where), realised_logprobs, seq_length)

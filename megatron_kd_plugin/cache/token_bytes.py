@@ -15,6 +15,7 @@ text. :func:`check_lossless` verifies the table on texts (a normaliser that rewr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pathlib
@@ -49,7 +50,7 @@ def _decoders(spec: dict | None) -> list[dict]:
 
 class TokenBytes:
     """Token id -> bytes (``strings``, ``lengths``; the table ``bytes``/``offsets``), and, when made from a
-    ``tokenizers.Tokenizer``, ``encode(text)`` (ids without special tokens added)."""
+    ``tokenizers.Tokenizer``, ``encode(text)`` / ``encode_batch(texts)`` (ids without special tokens added)."""
 
     def __init__(self, strings: list[bytes], *, tokenizer=None, identity: str = ""):
         self.strings, self.tokenizer, self.identity = strings, tokenizer, identity
@@ -120,6 +121,13 @@ class TokenBytes:
         return cls.from_tokenizer(Tokenizer.from_file(str(file)), vocab_size=vocab_size,
                                   identity=f"{file.name}:sha256={digest}")
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the tokenizer's JSON (what decides its encodings), or of the byte table without one."""
+        data = self.tokenizer.to_str().encode() if self.tokenizer is not None else \
+            self.offsets.tobytes() + self.bytes.tobytes()
+        return hashlib.sha256(data).hexdigest()
+
     def concat(self, ids: np.ndarray) -> np.ndarray:
         """uint8 [sum of lengths]: the bytes of ``ids`` [n] back to back (one gather from the table)."""
         lengths = self.lengths[ids]
@@ -129,10 +137,11 @@ class TokenBytes:
         return self.bytes[index]
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        """The ids of each text; ``encode_batch_fast`` (no character offsets: ~1.5x less CPU than ``encode``)."""
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def check_lossless(table: TokenBytes, texts, *, what: str = "tokenizer") -> None:
