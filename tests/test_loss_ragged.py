@@ -56,8 +56,8 @@ def reference(case, *, tail, divergence, temperature=1.0, alpha=1.0, jsd_beta=0.
             w = float(case["loss_mask"][i, j])
             if w == 0:
                 continue
-            kd, student_mass = _token_kd(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail, divergence,
-                           temperature, jsd_beta)
+            kd, student_mass = _token_kd(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail,
+                                         divergence, temperature, jsd_beta)
             ce = -torch.log_softmax(z[i, j], -1)[case["labels"][i, j]] if with_labels else 0.0
             total = total + w * (alpha * temperature ** 2 * kd + (1 - alpha) * ce)
             mass += float(student_mass)

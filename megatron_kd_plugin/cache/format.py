@@ -309,7 +309,7 @@ class CacheSpec:
                              f"expected one of {FORMAT_NAMES}")
         if attrs.get("version") == 1:
             raise ValueError("cache format version 1 (no chunk checksums) is no longer read: a damaged chunk of it "
-                             f"would read back as data; rewrite the store in the current version (rerun the "
+                             "would read back as data; rewrite the store in the current version (rerun the "
                              "cache command that wrote it, plus --overwrite)")
         if attrs.get("version") not in READ_VERSIONS:
             raise ValueError(f"cache format version {attrs.get('version')!r} is not supported "

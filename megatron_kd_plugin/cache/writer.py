@@ -377,7 +377,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                top_p: float | None = None, min_k: int | None = None, overwrite: bool = False, repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                top_p: float | None = None, min_k: int | None = None, overwrite: bool = False,
+                repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 vocab_table=None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.

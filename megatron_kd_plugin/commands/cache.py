@@ -270,7 +270,8 @@ def run(args) -> None:
             samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
             micro_batch_size=args.micro_batch_size, mode=args.mode,
             proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-            sample_seed=args.sample_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite, repair=args.repair,
+            sample_seed=args.sample_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite,
+            repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
             progress=not args.no_progress, after_shards=teacher.finish, vocab_table=vocab_table)
