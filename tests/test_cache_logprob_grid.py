@@ -150,3 +150,23 @@ def test_a_store_of_the_codec_before_the_grid_is_still_read(tmp_path):
         exact = torch.log_softmax(table.double()[window[:-1]], dim=-1).gather(-1, reader[i]["teacher_ids"])
         error = (reader[i]["teacher_logprobs"].double() - exact).abs()
         assert (error <= (2.0 ** -8 + 2.0 ** -11) * exact.abs() + 1e-5).all()
+
+
+def test_a_cross_tokenizer_store_under_the_grid_keeps_its_realised_logprobs_in_fp16_bitround7(tmp_path):
+    """One value per token has no row to quantise against: ``teacher_realised_logprob`` stays fp16-bitround7."""
+    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+    table, logits_fn = table_teacher()
+    source = windows()
+    vocab = TokenBytes([bytes([65 + i % 26]) * (1 + i // 26) for i in range(table.shape[0])])
+    write(tmp_path / "c", source, logits_fn, vocab_table=vocab)
+    document = json.loads((tmp_path / "c" / fmt.REALISED_LOGPROB / "zarr.json").read_text())
+    assert document["data_type"] == "float16"
+    assert [c["name"] for c in document["codecs"][0]["configuration"]["codecs"]][:1] == ["numcodecs.bitround"]
+    reader = TopKCacheReader(tmp_path / "c")
+    logp = torch.log_softmax(table.double(), -1)
+    for i in range(N):
+        tokens = reader[i]["tokens"]
+        expected = logp[tokens[:-1], tokens[1:]]
+        error = (reader[i]["teacher_realised_logprob"].double() - expected).abs()
+        assert (error <= (2.0 ** -8 + 2.0 ** -11) * expected.abs() + 1e-5).all()
