@@ -103,6 +103,15 @@ def test_grid_codec_keeps_each_value_in_its_grid_interval_and_the_tail_its_mass(
     assert np.abs(decoded - rows)[inside].max() > 1e-3                            # it really quantises
 
 
+@pytest.mark.parametrize("grid", [GRID, (1 / 64, 0.5, 0.5, 24.0), (1 / 8, 0.0, 1 / 8, 24.0)])
+def test_the_encoders_bin_lookup_is_searchsorted_over_the_boundaries(grid):
+    codec = LogprobGrid(4, *grid)
+    b = codec.boundaries
+    offsets = np.concatenate([np.random.default_rng(2).uniform(-0.5, 40, 200_000), b, np.nextafter(b, -1),
+                              np.nextafter(b, 99), [0.0, -0.0, grid[3], 1e30]])
+    np.testing.assert_array_equal(codec._nearest(offsets), np.searchsorted(b, np.maximum(offsets, 0)))
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_grid_codec_refuses_nan_and_plus_inf(bad):
     codec = LogprobGrid(3, *GRID)
