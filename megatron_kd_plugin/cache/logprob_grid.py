@@ -16,7 +16,7 @@ Math, per row of K log-probs ℓ_k (any order; −inf marks a padding slot)::
 The divergence: the stored row's round-trip KL over the K + 1 ghost buckets (the loss's partition) is, to first
 order in the tail's mass error, Σ_k d(p_k, p'_k) with d(p, q) = p log(p/q) − p + q on the unnormalised probabilities
 p = e^ℓ. Between two grid points g_j < g_{j+1} it picks g_j iff p_k/e^m̃ > (e^{−g_j} − e^{−g_{j+1}}) / (g_{j+1} − g_j)
-(their logarithmic mean), which :meth:`LogprobGrid.boundaries` tabulates. Near the maximum a log error δ costs
+(their logarithmic mean), which ``LogprobGrid.boundaries`` tabulates. Near the maximum a log error δ costs
 ½·p·δ², so equal cost per slot wants steps growing like p^(−1/2): ``growth`` = 0.5 makes the grid uniform in
 sqrt(p / p_max) (steps ``step``·e^(u/2)) until ``max_step`` caps them; ``growth`` = 0 is a plain log grid of step
 ``step``. The grid points are dyadic (multiples of 2^-12 below 2^5), exact in float32, so the decoded values are the
