@@ -136,9 +136,9 @@ class Rows:
         if top_p is not None:
             mass = np.cumsum(np.exp(logprobs), axis=-1)
             kept = np.minimum((mass < top_p).sum(-1, keepdims=True) + 1, k)             # [N, S, 1]
-            pad = np.arange(k) >= kept
-            logprobs[pad] = -np.inf
-            ids[pad] = np.iinfo(np.int32).max                                             # sorts last
+            dropped = np.arange(k) >= kept
+            logprobs[dropped] = -np.inf
+            ids[dropped] = np.iinfo(np.int32).max                                         # sorts last
         order = np.argsort(ids, axis=-1, kind="stable")
         ids, logprobs = np.take_along_axis(ids, order, -1), np.take_along_axis(logprobs, order, -1)
         padding = ids == np.iinfo(np.int32).max
