@@ -103,6 +103,15 @@ def test_grid_codec_keeps_each_value_in_its_grid_interval_and_the_tail_its_mass(
     assert np.abs(decoded - rows)[inside].max() > 1e-3                            # it really quantises
 
 
+@pytest.mark.parametrize("grid", [GRID, (1 / 64, 0.5, 0.5, 24.0), (1 / 8, 0.0, 1 / 8, 24.0)])
+def test_the_encoders_bin_lookup_is_searchsorted_over_the_boundaries(grid):
+    codec = LogprobGrid(4, *grid)
+    b = codec.boundaries
+    offsets = np.concatenate([np.random.default_rng(2).uniform(-0.5, 40, 200_000), b, np.nextafter(b, -1),
+                              np.nextafter(b, 99), [0.0, -0.0, grid[3], 1e30]])
+    np.testing.assert_array_equal(codec._nearest(offsets), np.searchsorted(b, np.maximum(offsets, 0)))
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_grid_codec_refuses_nan_and_plus_inf(bad):
     codec = LogprobGrid(3, *GRID)
@@ -150,3 +159,23 @@ def test_a_store_of_the_codec_before_the_grid_is_still_read(tmp_path):
         exact = torch.log_softmax(table.double()[window[:-1]], dim=-1).gather(-1, reader[i]["teacher_ids"])
         error = (reader[i]["teacher_logprobs"].double() - exact).abs()
         assert (error <= (2.0 ** -8 + 2.0 ** -11) * exact.abs() + 1e-5).all()
+
+
+def test_a_cross_tokenizer_store_under_the_grid_keeps_its_realised_logprobs_in_fp16_bitround7(tmp_path):
+    """One value per token has no row to quantise against: ``teacher_realised_logprob`` stays fp16-bitround7."""
+    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+
+    table, logits_fn = table_teacher()
+    source = windows()
+    vocab = TokenBytes([bytes([65 + i % 26]) * (1 + i // 26) for i in range(table.shape[0])])
+    write(tmp_path / "c", source, logits_fn, vocab_table=vocab)
+    document = json.loads((tmp_path / "c" / fmt.REALISED_LOGPROB / "zarr.json").read_text())
+    assert document["data_type"] == "float16"
+    assert [c["name"] for c in document["codecs"][0]["configuration"]["codecs"]][:1] == ["numcodecs.bitround"]
+    reader = TopKCacheReader(tmp_path / "c")
+    logp = torch.log_softmax(table.double(), -1)
+    for i in range(N):
+        tokens = reader[i]["tokens"]
+        expected = logp[tokens[:-1], tokens[1:]]
+        error = (reader[i]["teacher_realised_logprob"].double() - expected).abs()
+        assert (error <= (2.0 ** -8 + 2.0 ** -11) * expected.abs() + 1e-5).all()

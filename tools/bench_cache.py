@@ -83,12 +83,14 @@ def synthetic_teacher(vocab: int, prior_scale: float = 0.9, context_scale: float
 
 
 def ghost_kl(exact: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """KL(exact ‖ stored) per token over the K ids plus the tail bucket; log-probs ``[..., K]`` -> ``[...]``."""
+    """KL(exact ‖ stored) per token over the K ids plus the tail bucket; log-probs ``[..., K]`` -> ``[...]``;
+    padding slots (-inf in ``exact``) count 0."""
     exact, stored = exact.double(), stored.double()
     p = exact.exp()
     tail, tail_stored = (1 - p.sum(-1)).clamp(min=0), (1 - stored.exp().sum(-1)).clamp(min=1e-12)
     tail_term = torch.where(tail > 0, tail * (torch.log(tail.clamp(min=1e-300)) - torch.log(tail_stored)), 0.0)
-    return (p * (exact - stored)).sum(-1) + tail_term
+    kept = p > 0
+    return torch.where(kept, p * (exact - torch.where(kept, stored, 0.0)), 0.0).sum(-1) + tail_term
 
 
 def exact_topk(source: TokenWindows, logits_fn, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

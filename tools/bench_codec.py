@@ -1,7 +1,8 @@
 """Log-prob codec study (issue #21): bytes/token and round-trip KL of candidate codecs on real trained teachers.
 
-    python tools/bench_codec.py prepare --output /tmp/codec_teachers [--hf-teacher DIR --hf-data PREFIX]
-    python tools/bench_codec.py study --teachers /tmp/codec_teachers [--k 16 50 100] [--synthetic 32768 201088]
+    python tools/bench_codec.py prepare --output /tmp/codec_teachers --hf-teacher DEMO/teacher --hf-data DEMO/data/train
+    python tools/bench_codec.py study --teachers /tmp/codec_teachers [--names ...] [--k 16 50 100] [--top-p 0.99 0.9]
+                                      [--no-plain]
 
 ``prepare`` trains (or loads) the teachers once and saves each one's float64 top-100 (ids and log-probs in rank
 order, normalised over the full vocabulary) with its tokens to ``OUTPUT/NAME.npz``, so the study never retrains:
@@ -11,15 +12,18 @@ order, normalised over the full vocabulary) with its tokens to ``OUTPUT/NAME.npz
 - ``uncertain``: its uncertain teacher (the same with ``--vocab-size 2048 --teacher-steps 300``);
 - ``hf_qwen3``: the heal demo's trained Hugging Face Qwen3 teacher (``megatron_kd_plugin/demo/hf.py``, 4 x 256,
   vocab 4,096), given as the ``teacher`` and ``data/train`` of a finished ``python -m megatron_kd_plugin demo``
-  folder (``--hf-teacher``, ``--hf-data``).
+  folder (``--hf-teacher``, ``--hf-data``);
+- ``synthetic32768``, ``synthetic201088``: ``tools/bench_cache.py``'s synthetic peaked teacher at that vocabulary
+  (16 and 8 samples of 512 random tokens).
 
 ``study`` writes, for every teacher, K and candidate, one store through the real writer path (``format.create_store``
 and ``writer.store_shard``: the store's own arrays, shards, checksums and records) or, for the layouts the store
 does not have (rank order, permutations), the same arrays as plain zarr arrays with the store's shard layout, and
 prints one table per teacher and K: bytes/token of ids, of log-probs, of the whole store, and the round-trip KL
 KL(exact ‖ stored) over the K+1 ghost buckets per token (mean and max over tokens, nats; the exact side is the
-float64 top-K), and the share of tokens whose decoded top-K mass exceeds 1. ``--synthetic V`` adds the synthetic
-peaked teacher of ``tools/bench_cache.py`` at vocabulary V.
+float64 top-K), and the share of tokens whose decoded top-K mass exceeds 1; then one table of store bytes/token
+and mean KL per codec, teacher and K. ``--top-p P`` adds the default codec on rows cut to top-p P (the kept ids, then
+padding: log-prob -inf, id 0 or the last kept id); ``--no-plain`` leaves out the plain-zarr layouts.
 """
 
 from __future__ import annotations
@@ -136,9 +140,9 @@ class Rows:
         if top_p is not None:
             mass = np.cumsum(np.exp(logprobs), axis=-1)
             kept = np.minimum((mass < top_p).sum(-1, keepdims=True) + 1, k)             # [N, S, 1]
-            pad = np.arange(k) >= kept
-            logprobs[pad] = -np.inf
-            ids[pad] = np.iinfo(np.int32).max                                             # sorts last
+            dropped = np.arange(k) >= kept
+            logprobs[dropped] = -np.inf
+            ids[dropped] = np.iinfo(np.int32).max                                         # sorts last
         order = np.argsort(ids, axis=-1, kind="stable")
         ids, logprobs = np.take_along_axis(ids, order, -1), np.take_along_axis(logprobs, order, -1)
         padding = ids == np.iinfo(np.int32).max
@@ -151,13 +155,10 @@ class Rows:
 
 
 def ghost_kl(exact: np.ndarray, stored: np.ndarray) -> np.ndarray:
-    """KL(exact ‖ stored) per token over the K slots plus the ghost tail bucket, float64 ``[..., K]`` -> ``[...]``;
-    padding slots (-inf in both) count 0."""
-    p = np.exp(exact)
-    with np.errstate(invalid="ignore"):
-        slots = np.where(p > 0, p * (exact - np.where(p > 0, stored, 0.0)), 0.0).sum(-1)
-        tail, tail_stored = np.clip(1 - p.sum(-1), 0, None), np.clip(1 - np.exp(stored).sum(-1), 1e-12, None)
-        return slots + np.where(tail > 0, tail * (np.log(np.maximum(tail, 1e-300)) - np.log(tail_stored)), 0.0)
+    """``tools/bench_cache.py``'s round-trip KL per token (K slots + the ghost tail; padding counts 0), on numpy."""
+    from bench_cache import ghost_kl as torch_ghost_kl
+
+    return torch_ghost_kl(torch.from_numpy(exact), torch.from_numpy(np.asarray(stored, dtype=np.float64))).numpy()
 
 
 def chunk_bytes(folder: pathlib.Path) -> int:
@@ -301,6 +302,29 @@ def plain_candidates(rows: Rows, k: int, work: pathlib.Path) -> list[tuple[str, 
     return out
 
 
+def codec_rates(rows: Rows, k: int, repeats: int = 3) -> tuple[float, float]:
+    """(encode, decode) tokens per CPU second of the default grid codec alone on the teacher's rows, one sample
+    (chunk) per call, best of ``repeats`` passes."""
+    import time
+
+    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.logprob_grid import LogprobGrid
+
+    codec = LogprobGrid(k, *fmt.LOGPROB_CODECS[fmt.DEFAULT_LOGPROB_CODEC].grid)
+    samples = [logprobs.astype(np.float32) for logprobs in rows.top(k)[1]]
+    encoded = [codec.encode(sample) for sample in samples]
+    tokens = sum(len(sample) for sample in samples)
+    rates = []
+    for work in (lambda: [codec.encode(sample) for sample in samples], lambda: [codec.decode(e) for e in encoded]):
+        best = float("inf")
+        for _ in range(repeats):
+            begin = time.process_time()
+            work()
+            best = min(best, time.process_time() - begin)
+        rates.append(tokens / max(best, 1e-9))
+    return rates[0], rates[1]
+
+
 def _over(decoded: np.ndarray) -> float:
     return float((np.exp(decoded).sum(-1) > 1).mean())
 
@@ -369,7 +393,10 @@ def study(args) -> None:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             tokens = rows.tokens.shape[0] * (rows.tokens.shape[1] - 1)
-            print(f"\n### {rows.name}, K={k}: {rows.tokens.shape[0]} x {rows.tokens.shape[1] - 1} tokens\n")
+            encode, decode = codec_rates(rows, k)
+            print(f"\n### {rows.name}, K={k}: {rows.tokens.shape[0]} x {rows.tokens.shape[1] - 1} tokens; "
+                  f"{fmt.DEFAULT_LOGPROB_CODEC} alone encodes {encode:,.0f} and decodes {decode:,.0f} tokens per CPU "
+                  "second (one sample per call, without blosc)\n")
             print("| candidate | ids B/tok | log-probs B/tok | store B/tok | KL mean (nats) | KL max | mass>1 |")
             print("|---|---:|---:|---:|---:|---:|---:|")
             for label, r in table:

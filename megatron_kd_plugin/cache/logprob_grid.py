@@ -16,7 +16,7 @@ Math, per row of K log-probs ℓ_k (any order; −inf marks a padding slot)::
 The divergence: the stored row's round-trip KL over the K + 1 ghost buckets (the loss's partition) is, to first
 order in the tail's mass error, Σ_k d(p_k, p'_k) with d(p, q) = p log(p/q) − p + q on the unnormalised probabilities
 p = e^ℓ. Between two grid points g_j < g_{j+1} it picks g_j iff p_k/e^m̃ > (e^{−g_j} − e^{−g_{j+1}}) / (g_{j+1} − g_j)
-(their logarithmic mean), which :meth:`LogprobGrid.boundaries` tabulates. Near the maximum a log error δ costs
+(their logarithmic mean), which ``LogprobGrid.boundaries`` tabulates. Near the maximum a log error δ costs
 ½·p·δ², so equal cost per slot wants steps growing like p^(−1/2): ``growth`` = 0.5 makes the grid uniform in
 sqrt(p / p_max) (steps ``step``·e^(u/2)) until ``max_step`` caps them; ``growth`` = 0 is a plain log grid of step
 ``step``. The grid points are dyadic (multiples of 2^-12 below 2^5), exact in float32, so the decoded values are the
@@ -42,6 +42,8 @@ PAD_CODE = 255
 TAIL_SLACK = 0.05
 """A row's decoded top-K mass may miss its exact mass M by at most this share of the ghost mass 1 − M (where a code
 move can bring it there)."""
+BIN = 2.0 ** -8
+"""Width (nats) of the encoder's lookup bins; grid steps must be wider."""
 GRID_QUANTUM = 2.0 ** -12
 """Every grid point is a multiple of this (exact in float32 below 2^11)."""
 
@@ -79,6 +81,12 @@ class LogprobGrid(Codec):
         self.values[:len(self.grid)] = self.grid
         g = self.grid
         self.boundaries = -np.log((np.exp(-g[:-1]) - np.exp(-g[1:])) / (g[1:] - g[:-1]))   # between g_j, g_j+1
+        # the code of an offset u by lookup (what searchsorted(boundaries, u) gives): bins of width BIN hold at
+        # most one boundary each, so code = first[bin] + (u > the boundary at first[bin])
+        if np.diff(self.boundaries).min() <= BIN:
+            raise ValueError(f"log-prob grid: steps below {BIN} nats (step={step}) are finer than the encoder's bins")
+        self._first = np.searchsorted(self.boundaries, np.arange(int(span / BIN) + 2) * BIN, side="right")
+        self._next = np.append(self.boundaries, np.inf)
 
     def get_config(self):
         return dict(id=self.codec_id, slots=self.slots, step=self.step, growth=self.growth, max_step=self.max_step,
@@ -95,11 +103,17 @@ class LogprobGrid(Codec):
         maxima = rows.max(axis=1).astype(np.float16)                                  # [R]
         with np.errstate(invalid="ignore"):                                           # -inf - -inf: padding only
             offsets = maxima.astype(np.float64)[:, None] - rows                       # [R, K], +inf on padding
-        codes = np.searchsorted(self.boundaries, np.where(np.isfinite(offsets), offsets, 0.0)).astype(np.uint8)
+        codes = self._nearest(np.where(np.isfinite(offsets), offsets, 0.0))
         codes[np.isneginf(rows)] = PAD_CODE
         self._balance_mass(rows, maxima, codes)
         planes = maxima.view(np.uint8).reshape(-1, 2)[:, ::-1].T                      # high bytes, then low
         return np.ascontiguousarray(planes).tobytes() + codes.tobytes()
+
+    def _nearest(self, offsets: np.ndarray) -> np.ndarray:
+        """uint8 codes of offsets u >= 0 (``searchsorted(boundaries, u)``, by the bin lookup of ``__init__``)."""
+        bins = np.minimum(np.maximum(offsets, 0.0) * (1 / BIN), len(self._first) - 1).astype(np.intp)
+        first = np.take(self._first, bins)
+        return (first + (offsets > np.take(self._next, first))).astype(np.uint8)
 
     def _balance_mass(self, rows: np.ndarray, maxima: np.ndarray, codes: np.ndarray) -> None:
         """In every row whose decoded top-K mass M' misses the exact mass M by more than :data:`TAIL_SLACK`·(1 − M),

@@ -99,7 +99,7 @@ class TopKCacheReader:
         arrays = self.sample_arrays(sample)
         out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS][begin:end + 1].astype(np.int64)),
                fmt.IDS: torch.from_numpy(arrays[fmt.IDS][begin:end].astype(np.int64)),
-               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32))}
+               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32, copy=False))}
         for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB):
             if name in arrays:
                 out[name] = torch.from_numpy(arrays[name][begin:end].astype(np.float32))
