@@ -2,7 +2,7 @@
 student with another tokenizer get from the same cache?
 
     python -m megatron_kd_plugin demo --student-tokenizer unigram [--preset default|mini] [--output DIR] [--reuse]
-                                      [--alm ALPHA:TAU ...] [--steps N] [--teacher-steps N]
+                                      [--alm ALPHA:TAU ...] [--steps N] [--teacher-steps N] [--seed N]
     python -m megatron_kd_plugin demo --student-tokenizer PATH ...   # your tokenizer.json (or a folder holding one)
 
 Corpus: the running interpreter's stdlib ``*.py`` sources, whole files split into train and held-out by name hash.
@@ -68,6 +68,8 @@ class CrossTokConfig:
     alm: tuple[tuple[float, float], ...] = ((0.5, 1.0),)
     """(kd.alpha, kd.temperature) of each B-alm run."""
     lr: float = 3e-3
+    seed: int | None = None
+    """The students' rng.seed and dataset.seed (None: the recipe's); the teacher keeps the recipe's."""
 
 
 PRESETS = {
@@ -248,14 +250,16 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     table_b = TokenBytes.load(tok_b)
     vocab_b = max(cfg.vocab, len(table_b.strings))
     b_tok = f"dataset.student_tokenizer={tok_b}"
-    runs = {"A-ce": (student_config(cfg, store, cfg.vocab, seq, cfg.steps, "kd.alpha=0.0", f"dataset.k={cfg.k}"),
-                     tok_a, seq, None),
+    seeds = () if cfg.seed is None else (f"rng.seed={cfg.seed}", f"dataset.seed={cfg.seed}")
+    runs = {"A-ce": (student_config(cfg, store, cfg.vocab, seq, cfg.steps, "kd.alpha=0.0", f"dataset.k={cfg.k}",
+                                    *seeds), tok_a, seq, None),
             "A-kd": (student_config(cfg, store, cfg.vocab, seq, cfg.steps, f"kd.alpha={cfg.alpha}",
-                                    f"dataset.k={cfg.k}"), tok_a, seq, None),
-            "B-ce": (student_config(cfg, store, vocab_b, seq_b, cfg.steps, "kd.alpha=0.0", b_tok), tok_b, seq_b, None)}
+                                    f"dataset.k={cfg.k}", *seeds), tok_a, seq, None),
+            "B-ce": (student_config(cfg, store, vocab_b, seq_b, cfg.steps, "kd.alpha=0.0", b_tok, *seeds),
+                     tok_b, seq_b, None)}
     for alpha, tau in cfg.alm:
         runs[f"B-alm alpha={alpha:g} tau={tau:g}"] = (student_config(
-            cfg, store, vocab_b, seq_b, cfg.steps, f"kd.alpha={alpha}", f"kd.temperature={tau}", b_tok),
+            cfg, store, vocab_b, seq_b, cfg.steps, f"kd.alpha={alpha}", f"kd.temperature={tau}", b_tok, *seeds),
             tok_b, seq_b, tau)
     rows, models = [teacher_row], {}
     for name, (run_cfg, tok, s, _) in runs.items():
@@ -312,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="keep the teacher and store of an earlier run there")
     parser.add_argument("--alm", type=alm_pair, nargs="+", metavar="ALPHA:TAU",
                         help="one B-alm run per kd.alpha:kd.temperature (default: the preset's alpha:1)")
-    for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden"):
+    for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
     args = parser.parse_args(argv)
     changes = {name: getattr(args, name) for name in ("steps", "teacher_steps", "vocab", "train_bytes",
-                                                      "heldout_bytes", "teacher_hidden", "alpha")
+                                                      "heldout_bytes", "teacher_hidden", "alpha", "seed")
                if getattr(args, name) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset], **changes)
     cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else ((cfg.alpha, 1.0),))
