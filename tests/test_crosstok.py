@@ -56,6 +56,16 @@ def tokenizers_pair():
             TokenBytes.from_tokenizer(train_unigram(300), identity="unigram"))
 
 
+@pytest.fixture(scope="module")
+def unigram_eos_student():
+    """A Unigram (SentencePiece-style) student with <|endoftext|> as a special token: it inserts "▁" after it."""
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+                                                           unk_token="<unk>"))
+    return TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+
+
 # ---- float64 references -------------------------------------------------------------------------------------------
 
 def reference_chunks(teacher_lengths: list[int], student_lengths: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -190,12 +200,8 @@ def test_a_window_starting_inside_a_multibyte_character_is_aligned_after_it(toke
     assert row[CHUNK_IDS].tolist() == positions.tolist() and len(sums) >= 2
 
 
-def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped():
-    tok = Tokenizer(models.Unigram())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
-                                                           unk_token="<unk>"))
-    student = TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped(unigram_eos_student):
+    student = unigram_eos_student
     text = "and again<|endoftext|>Numbers again"
     ids = np.asarray(student.encode(text))
     assert student.concat(ids).tobytes() != text.encode()       # the tokenizer inserts "▁" after the special token
@@ -222,12 +228,8 @@ def reference_drop_spaces(pieces: list[bytes], want: bytes) -> tuple[list[int], 
     return lengths, None if position == len(want) else position
 
 
-def test_inserted_spaces_are_dropped_as_the_token_by_token_reference_does():
-    tok = Tokenizer(models.Unigram())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tok.train_from_iterator(TEXTS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
-                                                           unk_token="<unk>"))
-    student = TokenBytes.from_tokenizer(tok, identity="unigram+eos")
+def test_inserted_spaces_are_dropped_as_the_token_by_token_reference_does(unigram_eos_student):
+    student = unigram_eos_student
     rng = np.random.default_rng(3)
     words = " ".join(TEXTS[:5]).split(" ")
     checked = {"dropped": 0, "error": 0}

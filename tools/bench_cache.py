@@ -125,6 +125,17 @@ def reader_rate(read, n: int, tokens_per_sample: int, repeats: int = 5) -> tuple
     return best_wall, best_cpu
 
 
+def best_alternating_rates(readers: dict, n: int, s: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """{name: (best wall tokens/s, best tokens per CPU-s)} over ``rounds`` rounds that read every reader in turn
+    (3 random-order passes each), so that a load change hits all of them alike."""
+    best = {name: (0.0, 0.0) for name in readers}
+    for _ in range(rounds):
+        for name, reader in readers.items():
+            wall, cpu = reader_rate(reader.__getitem__, n, s, repeats=3)
+            best[name] = (max(best[name][0], wall), max(best[name][1], cpu))
+    return best
+
+
 def integrity_cost(source, logits_fn, vocab: int, args, work: pathlib.Path, label: str) -> None:
     """Prints the reader's rate on a version 3 store and on the same store read as version 2 (see the docstring)."""
     import warnings
@@ -142,11 +153,7 @@ def integrity_cost(source, logits_fn, vocab: int, args, work: pathlib.Path, labe
         warnings.simplefilter("ignore")
         readers = {"v3 (records checked)": TopKCacheReader(v3), "v2 (no records)": TopKCacheReader(v2)}
     n, s = len(source), source.seq_length
-    best = {name: (0.0, 0.0) for name in readers}
-    for _ in range(args.rounds):
-        for name, reader in readers.items():
-            wall, cpu = reader_rate(reader.__getitem__, n, s, repeats=3)
-            best[name] = (max(best[name][0], wall), max(best[name][1], cpu))
+    best = best_alternating_rates(readers, n, s, args.rounds)
     records = stored_bytes(v3)[fmt.RECORDS] / (n * s)
     print(f"\n### reader cost of the integrity records, {label}: K={args.k}, {n} samples x {s} tokens, "
           f"{fmt.DEFAULT_LOGPROB_CODEC}, best of {args.rounds} alternating rounds x 3 passes\n")
@@ -169,11 +176,7 @@ def reader_codecs(source, logits_fn, vocab: int, args, work: pathlib.Path, label
                     samples_per_shard=8, micro_batch_size=args.micro_batch_size, progress=False)
         readers[codec], sizes[codec] = TopKCacheReader(path), stored_bytes(path)
     n, s = len(source), source.seq_length
-    best = {codec: (0.0, 0.0) for codec in readers}
-    for _ in range(args.rounds):
-        for codec, reader in readers.items():
-            wall, cpu = reader_rate(reader.__getitem__, n, s, repeats=3)
-            best[codec] = (max(best[codec][0], wall), max(best[codec][1], cpu))
+    best = best_alternating_rates(readers, n, s, args.rounds)
     print(f"\n### reader rate per log-prob codec, {label}: K={args.k}, {n} samples x {s} tokens, best of "
           f"{args.rounds} alternating rounds x 3 random-order passes (TopKCacheReader[i], torch tensors)\n")
     print("| codec | ids B/tok | log-probs B/tok | store B/tok | reader tok/s per CPU-s | wall | vs first |")
