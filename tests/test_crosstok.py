@@ -118,13 +118,69 @@ def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, se
     return positions, sums, ids
 
 
+def reference_pairs(tokens, topk_ids, topk_logprobs, teacher: TokenBytes, student: TokenBytes, seq_length: int):
+    """(ids [seq_length, K], logprobs [seq_length, K]) of the pair positions, from the two-pointer chunks: a used
+    chunk of one teacher token i and one student token j of the same string puts the teacher's top-K at i - 1 on row
+    position j - 1, each id replaced by the lowest student id of the same non-empty string (none: id 0, -inf)."""
+    text = b"".join(teacher.strings[t] for t in tokens)
+    lead = 0
+    while lead < 3 and 0x80 <= text[lead] < 0xC0:
+        lead += 1
+    ids = student.encode(valid_text(text)[1])
+    lengths = [len(student.strings[i]) for i in ids]
+    chars = valid_text(text)[1]
+    if b"".join(student.strings[i] for i in ids) == b" " + chars.encode() and not chars.startswith(" "):
+        lengths[0] -= 1
+    chunks = reference_chunks([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
+    k = len(topk_ids[0])
+    pair_ids, pair_logprobs = np.zeros((seq_length, k), dtype=np.int64), np.full((seq_length, k), -np.inf)
+    for t_ids, s_ids in chunks[1:]:
+        s_ids = [j - 1 for j in s_ids]
+        if max(s_ids) > seq_length:
+            break
+        if len(t_ids) != 1 or len(s_ids) != 1:
+            continue
+        i, j = t_ids[0], s_ids[0]
+        if teacher.strings[tokens[i]] != student.strings[ids[j]]:
+            continue
+        for slot, (v, logprob) in enumerate(zip(topk_ids[i - 1], topk_logprobs[i - 1])):
+            same = [sid for sid, string in enumerate(student.strings) if string and string == teacher.strings[v]]
+            if same:
+                pair_ids[j - 1, slot], pair_logprobs[j - 1, slot] = same[0], logprob
+    return pair_ids, pair_logprobs
+
+
 def reference_loss(hidden, weight, *args, **kwargs):
     """float64 dense ALM from hidden [s, b, H] and the full lm_head [V, H]."""
     return reference_from_logits(hidden.double() @ weight.double().t(), *args, **kwargs)
 
 
-def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha):
-    """float64 dense ALM: full logits [s, b, V], per-chunk python loops, the binarised divergence written out."""
+def reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence):
+    """float64 sum_t w_t f_t of the token-level term: per token with a finite slot, the teacher's mapped ids (repeats
+    merged) and the rest of its mass as one bucket against the student's softmax, the divergence written out."""
+    q_all = torch.softmax(logits.double(), -1)                                          # [s, b, V]
+    total = q_all.new_zeros(())
+    for pos in range(logits.shape[0]):
+        for col in range(logits.shape[1]):
+            probs = {}
+            for v, lp in zip(teacher_ids[pos, col].tolist(), teacher_logprobs[pos, col].double().tolist()):
+                if lp > -math.inf:
+                    probs[v] = probs.get(v, 0.0) + math.exp(lp)
+            if not probs or mask[pos, col] == 0:
+                continue
+            ids = sorted(probs)
+            p = torch.tensor([probs[v] for v in ids] + [1.0 - sum(probs.values())], dtype=torch.float64)
+            q_ids = q_all[pos, col, ids]
+            q = torch.cat([q_ids, (1.0 - q_ids.sum())[None]])
+            f = (p * (p.log() - q.log())).sum() if divergence == "forward_kl" else (q * (q.log() - p.log())).sum()
+            total = total + float(mask[pos, col]) * f
+    return total
+
+
+def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha,
+                          token_weight=0.0, teacher_ids=None, teacher_logprobs=None):
+    """float64 dense ALM (plus the token-level term): full logits [s, b, V], per-chunk python loops, the binarised
+    divergence written out."""
     s, b, _ = logits.shape
     logp = torch.log_softmax(logits.double(), -1)                                      # [s, b, V]
     l = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (mask != 0)      # [s, b]
@@ -143,6 +199,9 @@ def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, di
             else:
                 d = q * (ls - lt) + (1 - q) * (torch.log1p(-q) - torch.log1p(-p))
             chunk = chunk + len(members) * d
+    if token_weight:
+        token = reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence)
+        chunk = (1 - token_weight) * chunk + token_weight * token
     return alpha * chunk + (1 - alpha) * ce
 
 
@@ -186,6 +245,35 @@ def test_rows_match_the_two_pointer_reference_in_both_directions(tokenizers_pair
             one_to_many += len(t_ids) == 1 and len(s_ids) > 1
             many_to_one += len(t_ids) > 1 and len(s_ids) == 1
     assert one_to_many and many_to_one                     # both shapes of chunk occur
+
+
+@pytest.mark.parametrize("direction", ["bpe->unigram", "unigram->bpe"])
+def test_pair_arrays_match_the_reference(tokenizers_pair, direction):
+    """The token-level term's rows: the pair positions and the teacher's top-K in the student's ids equal the
+    two-pointer reference; pairs, non-pair chunks and unmapped slots all occur."""
+    from megatron_kd_plugin.cache.align import PAIR_IDS, PAIR_LOGPROBS
+
+    teacher, student = tokenizers_pair if direction == "bpe->unigram" else tokenizers_pair[::-1]
+    stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
+    rng = np.random.default_rng(1)
+    seen = {"pairs": 0, "other chunks": 0, "unmapped": 0, "mapped": 0}
+    for start in rng.integers(0, len(stream) - 41, 10).tolist():
+        tokens = stream[start:start + 41]
+        topk_ids = rng.integers(0, len(teacher.strings), (40, 5))
+        topk_ids[:, 0] = tokens[1:]                                       # the realised token, as a real top-K holds
+        topk_logprobs = np.log(rng.dirichlet(np.ones(6), 40)[:, :5])
+        for seq_length in (8, 64):
+            row = cross_tokenizer_row(tokens, -np.ones(40), teacher, student, seq_length,
+                                      topk=(topk_ids, topk_logprobs))
+            ids, logprobs = reference_pairs(tokens.tolist(), topk_ids, topk_logprobs, teacher, student, seq_length)
+            assert row[PAIR_IDS].tolist() == ids.tolist()
+            np.testing.assert_allclose(row[PAIR_LOGPROBS].numpy(), logprobs, rtol=1e-6)
+            pair_rows = np.isfinite(logprobs).any(-1)
+            seen["pairs"] += int(pair_rows.sum())
+            seen["other chunks"] += int(((row[CHUNK_IDS].numpy() >= 0) & ~pair_rows).sum())
+            seen["mapped"] += int(np.isfinite(logprobs[pair_rows]).sum())
+            seen["unmapped"] += int((~np.isfinite(logprobs[pair_rows])).sum())
+    assert all(seen.values()), seen
 
 
 def test_a_window_starting_inside_a_multibyte_character_is_aligned_after_it(tokenizers_pair):
@@ -355,29 +443,72 @@ def loss_inputs(seed=0, s=11, b=3, h=7, v=30):
     return hidden, weight, labels, chunk_ids, teacher, mask
 
 
+def pair_inputs(seed=1, s=11, b=3, v=30, k=4):
+    """(teacher_ids, teacher_logprobs) [s, b, K] of the token-level term: about half the tokens are pairs, their
+    slots a random top-K (mass < 1, a repeated id in some rows), a third of the slots unmapped (-inf)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, v, (s, b, k), generator=g)
+    ids[::3, :, 1] = ids[::3, :, 0]                                                    # repeats: merged buckets
+    draws = -torch.rand(s, b, k + 1, generator=g, dtype=torch.float64).log()           # Dirichlet(1) over K + 1
+    logprobs = (draws / draws.sum(-1, keepdim=True))[..., :k].log()
+    unmapped = (torch.rand(s, b, k, generator=g) < 0.3) | (torch.rand(s, b, 1, generator=g) < 0.5)
+    return ids, logprobs.masked_fill(unmapped, -torch.inf)
+
+
 CASES = [dict(divergence="forward_kl", temperature=1.0, alpha=1.0), dict(divergence="reverse_kl", temperature=2.0,
-                                                                          alpha=0.7)]
+                                                                          alpha=0.7),
+         dict(divergence="forward_kl", temperature=4.0, alpha=0.6, token_weight=0.5),
+         dict(divergence="reverse_kl", temperature=1.0, alpha=1.0, token_weight=1.0)]
 
 
 def _loss_and_grads(hidden, weight, labels, chunk_ids, teacher, mask, case, **kwargs):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    pairs = dict(zip(("teacher_ids", "teacher_logprobs"), pair_inputs(), strict=True)) if "token_weight" in case \
+        else {}
     result = chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, loss_mask=mask, chunk_bytes=4 * 30 * 8,
-                                   **case, **kwargs)
+                                   **case, **pairs, **kwargs)
     result.loss_sum.backward()
     return result, hidden.grad, weight.grad
+
+
+def _reference(inputs, case):
+    """(loss, d hidden, d weight) of the float64 reference."""
+    hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
+    pairs = dict(zip(("teacher_ids", "teacher_logprobs"), pair_inputs(), strict=True)) if "token_weight" in case \
+        else {}
+    expected = reference_loss(hidden, weight, *inputs[2:], **case, **pairs)
+    expected.backward()
+    return expected.detach(), hidden.grad, weight.grad
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_equal_the_float64_reference(case):
     inputs = loss_inputs()
     result, d_hidden, d_weight = _loss_and_grads(*inputs, case)
-    hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
-    expected = reference_loss(hidden, weight, *inputs[2:], **case)
-    expected.backward()
+    expected, hidden_grad, weight_grad = _reference(inputs, case)
     torch.testing.assert_close(result.loss_sum, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(d_hidden, hidden.grad, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(d_weight, weight.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(d_hidden, hidden_grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(d_weight, weight_grad, rtol=1e-9, atol=1e-12)
     assert int(result.num_tokens) == int((inputs[5] != 0).sum())
+    if "token_weight" in case:
+        ids, logprobs = pair_inputs()
+        pairs = torch.isfinite(logprobs).any(-1) & (inputs[5] != 0)
+        assert int(result.num_pairs) == int(pairs.sum()) > 0
+        logits = inputs[0] @ inputs[1].t()
+        torch.testing.assert_close(result.token_sum, reference_token_term(logits, ids, logprobs, inputs[5],
+                                                                          case["divergence"]), rtol=1e-10, atol=1e-12)
+
+
+def test_token_weight_needs_the_pairs_and_lies_in_0_1():
+    hidden, weight, labels, chunk_ids, teacher, mask = loss_inputs()
+    with pytest.raises(ValueError, match="token_weight=0.5 needs teacher_ids and teacher_logprobs"):
+        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=0.5)
+    with pytest.raises(ValueError, match="token_weight=1.5: expected 0 <= token_weight <= 1"):
+        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=1.5)
+    ids, logprobs = pair_inputs()
+    with pytest.raises(ValueError, match=r"teacher_ids must lie in \[0, V=30\)"):
+        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=0.5, teacher_ids=ids + 30,
+                              teacher_logprobs=logprobs)
 
 
 def _tp_body(case_list):
@@ -406,15 +537,12 @@ def test_tp2_equals_the_reference_loss_gradients_and_realised_logprobs():
     labels = torch.randint(0, 30, (5, 2), generator=torch.Generator().manual_seed(4))
     expected_lp = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
     for case_index, case in enumerate(CASES):
-        inputs = loss_inputs()
-        hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
-        expected = reference_loss(hidden, weight, *inputs[2:], **case)
-        expected.backward()
+        expected, hidden_grad, weight_grad = _reference(loss_inputs(), case)
         for rank, (results, _) in enumerate(ranks):
             loss, d_hidden, d_weight = results[case_index]
-            torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(d_hidden, hidden.grad, rtol=1e-9, atol=1e-12)
-            torch.testing.assert_close(d_weight, weight.grad[rank * 15:(rank + 1) * 15], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(d_hidden, hidden_grad, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(d_weight, weight_grad[rank * 15:(rank + 1) * 15], rtol=1e-9, atol=1e-12)
     for _, realised in ranks:
         torch.testing.assert_close(realised.double(), expected_lp, rtol=0, atol=1e-5)
 
@@ -467,17 +595,28 @@ def _bridge_tp1_body(folder):
     with torch.no_grad():
         output, loss_func = kd_forward_step(state, iter([batch]), model)
         loss_sum, num_tokens, report = loss_func(output)
+        cfg.kd.token_weight = 0.5
+        output, loss_func = kd_forward_step(state, iter([batch]), model)
+        token_loss, _, token_report = loss_func(output)
+        cfg.kd.token_weight = 0.0
         positions = torch.arange(BRIDGE_SEQ).expand(2, BRIDGE_SEQ)
         mask = torch.ones(BRIDGE_SEQ, BRIDGE_SEQ, dtype=torch.bool).triu(1).view(1, 1, BRIDGE_SEQ, BRIDGE_SEQ)
         logits = model(batch["tokens"], positions, mask).transpose(0, 1)                        # [s, b, V]
     expected = reference_from_logits(logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(),
                                      batch["loss_mask"].t(), divergence="forward_kl", temperature=1.0,
                                      alpha=cfg.kd.alpha)
+    expected_token = reference_from_logits(
+        logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(), batch["loss_mask"].t(),
+        divergence="forward_kl", temperature=1.0, alpha=cfg.kd.alpha, token_weight=0.5,
+        teacher_ids=batch["teacher_ids"].transpose(0, 1), teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1))
     refusals = {}
     for name, overrides in (("plain store", bridge_overrides(plain, folder / "student.json")),
                             ("no tokenizer", bridge_overrides(store, folder / "missing")),
                             ("context parallel", bridge_overrides(store, folder / "student.json",
-                                                                  "model.context_parallel_size=2"))):
+                                                                  "model.context_parallel_size=2")),
+                            ("token weight, one tokenizer", bridge_overrides(plain, "null", "kd.token_weight=0.5",
+                                                                             "model.seq_length=24",
+                                                                             "dataset.seq_length=24"))):
         try:
             wrong = build_config(recipe, overrides)
             wrong.model.finalize()
@@ -486,9 +625,12 @@ def _bridge_tp1_body(folder):
             refusals[name] = "accepted"
         except ValueError as exc:
             refusals[name] = str(exc)
-    _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json")), progress=False)
+    _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json",
+                                                                     "kd.token_weight=0.5")), progress=False)
     return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
                 mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history,
+                token_loss=float(token_loss), expected_token=float(expected_token), token_report=sorted(token_report),
+                pairs=int(torch.isfinite(batch["teacher_logprobs"]).any(-1).sum()),
                 sidecars=[p.name for p in folder.glob("xtok.zarr.align-*.npz")])
 
 
@@ -498,7 +640,7 @@ def _bridge_tp2_body(folder):
 
     cfg = build_config("tiny_gpt_xtok_kd_cpu_fp32_config",
                        bridge_overrides(folder / "xtok.zarr", folder / "student.json",
-                                        "model.tensor_model_parallel_size=2"))
+                                        "model.tensor_model_parallel_size=2", "kd.token_weight=0.5"))
     return train_on_cpu(cfg, progress=False)[1]
 
 
@@ -509,15 +651,18 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
     assert tp1["tokens"] == tp1["mask"] > 0
     assert math.isclose(tp1["loss"], tp1["expected"], rel_tol=1e-5), tp1
     assert tp1["report"] == ["chunk gap", "chunk loss", "chunks", "lm loss"]
+    assert tp1["pairs"] > 0 and math.isclose(tp1["token_loss"], tp1["expected_token"], rel_tol=1e-5), tp1
+    assert tp1["token_report"] == ["chunk gap", "chunk loss", "chunks", "lm loss", "pairs", "token kd loss"]
     assert len(tp1["sidecars"]) == 1                                      # the alignments, written beside the store
     assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
     assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
     assert "chunks would be split across CP ranks" in tp1["refusals"]["context parallel"]
+    assert "kd.token_weight=0.5 is for cross-tokenizer students" in tp1["refusals"]["token weight, one tokenizer"]
     tp2 = run_on_ranks(2, _bridge_tp2_body, tmp_path, timeout=600)
     assert len(tp1["history"]) == BRIDGE_STEPS
     for rank_history in tp2:
         for a, b in zip(tp1["history"], rank_history):
-            for key in ("loss", "chunk loss", "lm loss", "grad norm"):
+            for key in ("loss", "chunk loss", "lm loss", "token kd loss", "pairs", "grad norm"):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
 
 

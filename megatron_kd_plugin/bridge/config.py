@@ -4,7 +4,7 @@
     process_config_with_overrides(cfg, cli_overrides=["kd.alpha=0.5"])   # Bridge's Hydra-style overrides
 
 ``KDConfig`` mirrors ``megatron_kd_plugin.loss.KDLossOptions`` field for field (their meanings are documented
-there, once). It exists because Bridge applies overrides with ``setattr`` and the loss's options are frozen: a
+there, once), plus ``token_weight``, which only the cross-tokenizer loss reads. It exists because Bridge applies overrides with ``setattr`` and the loss's options are frozen: a
 frozen section would silently ignore ``kd.temperature=2``. ``KDConfig.options()`` builds (and so validates) the
 frozen options the loss receives.
 """
@@ -52,14 +52,20 @@ class KDConfig:
     """Check the teacher's values up front on every call (one host sync)."""
     mass_tolerance: float = _DEFAULTS.mass_tolerance
     """How far the teacher's top-K mass may exceed 1 before it is an error."""
+    token_weight: float = 0.0
+    """Cross-tokenizer students only (``dataset.student_tokenizer``): gamma in [0, 1], the token-level term's share of
+    the KD term, alpha * ((1 - gamma) * ALM chunk term + gamma * top-K KL at the pair tokens) + (1 - alpha) * CE
+    (``megatron_kd_plugin.loss.cross_tokenizer``); 0: the ALM chunk term alone."""
 
     def options(self) -> KDLossOptions:
         """The frozen, validated options for ``topk_kd_loss`` (raises ValueError on a bad value)."""
-        return KDLossOptions(**dataclasses.asdict(self))
+        return KDLossOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(KDLossOptions)})
 
     def finalize(self) -> None:
         """Validate now, before step one."""
         self.options()
+        if not 0.0 <= self.token_weight <= 1.0:
+            raise ValueError(f"kd.token_weight={self.token_weight!r}: expected 0 <= token_weight <= 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -97,7 +103,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
     KD step does not handle, are off. A cross-tokenizer student (``dataset.student_tokenizer``) needs a store with the
     cross-tokenizer arrays, its tokenizer inside model.vocab_size, and no context parallelism (the tail/mode check
-    does not apply).
+    does not apply; kd.token_weight > 0 needs a top-K store). kd.token_weight > 0 without one is refused.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -117,7 +123,13 @@ def check_kd_config(cfg: ConfigContainer) -> None:
         if model.context_parallel_size > 1:
             raise ValueError(f"model.context_parallel_size={model.context_parallel_size} with a cross-tokenizer "
                              "student (dataset.student_tokenizer): chunks would be split across CP ranks; use 1")
+        if cfg.kd.token_weight > 0 and reader.spec.mode == "sampled":
+            raise ValueError(f"kd.token_weight={cfg.kd.token_weight} needs the teacher's top-K, and "
+                             f"{cfg.dataset.cache_path} is a sampled store; write it without --sample")
         return
+    if cfg.kd.token_weight > 0:
+        raise ValueError(f"kd.token_weight={cfg.kd.token_weight} is for cross-tokenizer students: set "
+                         "dataset.student_tokenizer to the student's tokenizer, or kd.token_weight=0")
     mode = reader.spec.mode
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):
         raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "

@@ -16,8 +16,9 @@ samplers continues on exactly the rows it would have seen, and any DP size / bat
 
 ``CrossTokenizerDataset`` (issue #18): a student with its own tokenizer; each cached sample gives one row, its text
 re-tokenised by the student and aligned into chunks (``megatron_kd_plugin.cache.align``), with ``chunk_ids`` and
-``teacher_chunk_logprobs`` instead of the teacher's top-K; each sample's alignment is computed once
-(``cache.student_alignments``), so a later read costs one realised log-prob array and the cut.
+``teacher_chunk_logprobs``, and the teacher's top-K at the pair positions mapped to the student's ids
+(``teacher_ids``, ``teacher_logprobs``; not for a sampled store); each sample's alignment is computed once
+(``cache.student_alignments``), so a later read costs the sample's realised log-probs and top-K and the cut.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, StudentAlignments, alignment_row
+from megatron_kd_plugin.cache import SAMPLE_WEIGHTS, StudentAlignments
 
 
 class TopKCacheDataset(torch.utils.data.Dataset):
@@ -99,7 +100,4 @@ class CrossTokenizerDataset(TopKCacheDataset):
 
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
         sample, _ = self.window_of(int(row))
-        known = self.alignments.known(sample)
-        arrays = self.reader.sample_arrays(sample, (REALISED_LOGPROB,) if known else (TOKENS, REALISED_LOGPROB))
-        alignment = self.alignments.get(sample, None if known else arrays[TOKENS])
-        return alignment_row(alignment, arrays[REALISED_LOGPROB], self.seq_length)
+        return self.alignments.row(sample, self.seq_length)

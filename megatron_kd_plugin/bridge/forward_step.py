@@ -18,11 +18,14 @@ Per microbatch:
      ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there, through
      megatron-core's rerun state machine as Bridge's own loss does.
 
-Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``
-instead of the teacher's top-K: the last stage then takes those, the loss is ``chunk_likelihood_loss`` (the ALM
-chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature, ``kd.alpha``,
-``kd.chunk_bytes``), and the report holds ``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap``
-(mean |t_c - s_c| in nats per chunk). Context parallelism would split chunks across ranks: refused.
+Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``,
+and the teacher's top-K at the pair tokens in the student's ids: the last stage then takes the first two (and the
+pairs' ``teacher_ids`` / ``teacher_logprobs`` when ``kd.token_weight`` > 0), the loss is ``chunk_likelihood_loss``
+(the ALM chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature,
+``kd.alpha``, ``kd.chunk_bytes``, and the token-level term with ``kd.token_weight``), and the report holds
+``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap`` (mean |t_c - s_c| in nats per chunk), and
+with the token-level term ``token kd loss`` (per pair) and ``pairs`` (per token). Context parallelism would split
+chunks across ranks: refused.
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ from megatron_kd_plugin.loss.cross_tokenizer import ChunkLossResult, chunk_likel
 FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask", "teacher_ids", "teacher_logprobs")
 CROSS_TOKENIZER_KEYS = ("labels", "loss_mask", CHUNK_IDS, CHUNK_LOGPROBS)
-"""The last stage's keys for cross-tokenizer rows (a batch holding ``chunk_ids``)."""
+"""The last stage's keys for cross-tokenizer rows (a batch holding ``chunk_ids``); with the token-level term
+(``pairs``) also ``teacher_ids`` and ``teacher_logprobs``, the pairs' top-K in the student's ids."""
 OPTIONAL_LAST_STAGE_KEYS = (SAMPLE_WEIGHTS,)
 """Passed on when the batch has them (rows of a sampled store); None otherwise."""
 
 
-def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool,
-                 cp_group=None) -> dict[str, torch.Tensor | None]:
+def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp_group=None,
+                 pairs: bool = False) -> dict[str, torch.Tensor | None]:
     """This stage's tensors of the next batch (batch-first, as the dataset yields them), on the model's device,
-    cut to this rank's S/cp tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``).
+    cut to this rank's S/cp tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``); ``pairs``:
+    cross-tokenizer rows' pair arrays are wanted too (the token-level term).
 
     Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
     """
@@ -61,8 +66,9 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool,
         return dict.fromkeys(keys)
     batch = next(data_iterator)
     cross = CHUNK_IDS in batch
-    wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + \
-        ((CROSS_TOKENIZER_KEYS if cross else LAST_STAGE_KEYS) if is_last_stage else ())
+    last_keys = CROSS_TOKENIZER_KEYS + (("teacher_ids", "teacher_logprobs") if pairs else ()) if cross \
+        else LAST_STAGE_KEYS
+    wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + (last_keys if is_last_stage else ())
     if cross and cp_group is not None and dist.get_world_size(cp_group) > 1:
         raise ValueError("cross-tokenizer rows with context parallelism: a chunk would be split across CP ranks; "
                          "set model.context_parallel_size=1")
@@ -128,12 +134,12 @@ def validate_local_loss(loss: torch.Tensor) -> None:
 
 
 def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = True, cross_tokenizer: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                 token_level: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's 3-tuple loss contract from the loss's result (``lm loss`` reported only when alpha < 1).
 
-    ``output_tensor`` is the ``KDLossResult`` (``ChunkLossResult`` when ``cross_tokenizer``; or the plain tuple a
-    bf16 ``Float16Module`` turns it into); ``check_for_nan_in_loss`` (Bridge's
-    ``rerun_state_machine.check_for_nan_in_loss``) validates the loss sum.
+    ``output_tensor`` is the ``KDLossResult`` (``ChunkLossResult`` when ``cross_tokenizer``, with the token-level
+    term's figures when ``token_level``; or the plain tuple a bf16 ``Float16Module`` turns it into);
+    ``check_for_nan_in_loss`` (Bridge's ``rerun_state_machine.check_for_nan_in_loss``) validates the loss sum.
     """
     if cross_tokenizer:
         chunks = ChunkLossResult(*output_tensor)
@@ -143,6 +149,9 @@ def kd_loss_func(alpha: float, output_tensor, *, check_for_nan_in_loss: bool = T
         report = {"chunk loss": torch.stack([chunks.chunk_sum, count]), "lm loss": torch.stack([chunks.ce_sum, count]),
                   "chunks": torch.stack([chunks.num_chunks.float(), count]),
                   "chunk gap": torch.stack([chunks.chunk_gap_sum, chunks.num_chunks.float()])}
+        if token_level:
+            report["token kd loss"] = torch.stack([chunks.token_sum, chunks.num_pairs.float()])
+            report["pairs"] = torch.stack([chunks.num_pairs.float(), count])
         return chunks.loss_sum, chunks.num_tokens.to(torch.int), report
     result = KDLossResult(*output_tensor)
     if check_for_nan_in_loss:
@@ -170,20 +179,23 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     if return_schedule_plan:
         raise ValueError("kd_forward_step does not build MoE overlap schedule plans "
                          "(set model.overlap_moe_expert_parallel_comm=False)")
-    options = state.cfg.kd.options()
+    options, token_weight = state.cfg.kd.options(), state.cfg.kd.token_weight
     config = get_model_config(model)
     check_no_mtp(config)
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
     batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
-                         is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp)
+                         is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp,
+                         pairs=token_weight > 0)
     context = None
     cross = batch[CHUNK_IDS] is not None
     if cross:
+        pairs = {} if token_weight == 0 else dict(teacher_ids=batch["teacher_ids"].transpose(0, 1),       # [s, b, K]
+                                                  teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1))
         context = dict(labels=batch["labels"].t(), chunk_ids=batch[CHUNK_IDS].t(),                  # [s, b]
                        teacher_chunk_logprobs=batch[CHUNK_LOGPROBS].t(), loss_mask=batch["loss_mask"].t(),
                        divergence=options.divergence, jsd_beta=options.jsd_beta, temperature=options.temperature,
                        alpha=options.alpha, chunk_bytes=options.chunk_bytes, tp_group=pg_collection.tp,
-                       sequence_parallel=config.sequence_parallel)
+                       sequence_parallel=config.sequence_parallel, token_weight=token_weight, **pairs)
     elif batch["teacher_ids"] is not None:
         context = dict(
             teacher_ids=batch["teacher_ids"].transpose(0, 1),              # [s, b, K]
@@ -200,4 +212,5 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
                                                         else batch["tokens"].shape[1]),
                    labels=batch["labels"], output_processor=_kd_output_processor, output_processor_context=context)
     return output, functools.partial(kd_loss_func, options.alpha, cross_tokenizer=cross,
+                                     token_level=cross and token_weight > 0,
                                      check_for_nan_in_loss=state.cfg.rerun_state_machine.check_for_nan_in_loss)

@@ -13,11 +13,11 @@ sample's alignment computed once, in memory and in a sidecar beside the store). 
 The names below are the interface the layers above (``bridge``, the commands) read stores through.
 """
 
-from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, alignment_row
-from megatron_kd_plugin.cache.format import REALISED_LOGPROB, SAMPLE_WEIGHTS, TOKENS, CacheSpec
+from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS
+from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS, CacheSpec
 from megatron_kd_plugin.cache.reader import TopKCacheReader
 from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
-__all__ = ["CHUNK_IDS", "CHUNK_LOGPROBS", "REALISED_LOGPROB", "SAMPLE_WEIGHTS", "TOKENS", "CacheSpec",
-           "StudentAlignments", "TokenBytes", "TopKCacheReader", "alignment_row", "sidecar_path"]
+__all__ = ["CHUNK_IDS", "CHUNK_LOGPROBS", "SAMPLE_WEIGHTS", "CacheSpec", "StudentAlignments", "TokenBytes",
+           "TopKCacheReader", "sidecar_path"]

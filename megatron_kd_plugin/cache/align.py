@@ -22,6 +22,13 @@ Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m =
     chunk_ids [S_s] int64: k(b_{p+1}) - 1 for used chunks, else -1,
     teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
 
+Pairs (the token-level term's positions): a used chunk k made of one teacher token i and one student token j of
+the same string (``identical_strings``: the student id of each teacher token's string) puts the teacher's top-K at
+cache position i - 1 (the distribution it predicted token i from, after the same bytes the student read before
+token j) on row position p = j - 1, its ids mapped to the student's ids of identical strings:
+    teacher_ids [S_s, K] int64: vocab_map[cached ids[i - 1]] at pair positions (0 elsewhere and where unmapped),
+    teacher_logprobs [S_s, K] float32: the cached log-probs there, -inf elsewhere and where unmapped.
+
 Two steps: ``align_sample`` (the encode and the chunk indices k(b_j), k(e_i): no seq_length, no log-probs; what
 ``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
 """
@@ -36,6 +43,30 @@ import torch
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
 CHUNK_IDS, CHUNK_LOGPROBS = "chunk_ids", "teacher_chunk_logprobs"
+PAIR_IDS, PAIR_LOGPROBS = "teacher_ids", "teacher_logprobs"
+"""A cross-tokenizer row's pair arrays: the teacher's top-K in the student's ids (the same-tokenizer rows' names)."""
+
+
+def identical_strings(teacher: TokenBytes, student: TokenBytes) -> np.ndarray:
+    """int64 [V_teacher]: the student id whose string equals teacher id v's (the lowest such id), -1 where none or
+    where v's string is empty (ids the tokenizer lacks)."""
+    ids = {}
+    for student_id, string in enumerate(student.strings):
+        if string:
+            ids.setdefault(string, student_id)
+    return np.fromiter((ids.get(string, -1) if string else -1 for string in teacher.strings), dtype=np.int64,
+                       count=len(teacher.strings))
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherTopK:
+    """A cached sample's teacher side for the pairs: its ``tokens`` [S + 1], top-K ``ids`` and ``logprobs`` [S, K],
+    and the ``vocab_map`` of ``identical_strings``."""
+
+    tokens: np.ndarray
+    ids: np.ndarray
+    logprobs: np.ndarray
+    vocab_map: np.ndarray
 
 
 def valid_text(text: bytes) -> tuple[int, str]:
@@ -121,8 +152,10 @@ def align_sample(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *
                            np.searchsorted(common, teacher_ends[1:], side="left").astype(np.int32), len(common))
 
 
-def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq_length: int) -> dict[str, torch.Tensor]:
-    """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]."""
+def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq_length: int,
+                  topk: TeacherTopK | None = None) -> dict[str, torch.Tensor]:
+    """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]; with ``topk`` the
+    pair arrays too."""
     ids, student_k = alignment.ids, alignment.student_chunks
     # the cut: K = the last boundary whose student token index is <= seq_length
     token_at = np.searchsorted(student_k, np.arange(alignment.num_boundaries), side="right") - 1   # token ending at B_k
@@ -141,14 +174,43 @@ def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq
     row_tokens[:m], labels[:m] = ids[:m], ids[1:m + 1]
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     loss_mask[:m] = 1.0
-    return {"tokens": torch.from_numpy(row_tokens), "labels": torch.from_numpy(labels),
-            "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(seq_length, dtype=torch.long),
-            CHUNK_IDS: torch.from_numpy(row_chunks),
-            CHUNK_LOGPROBS: torch.from_numpy(chunk_logprobs.astype(np.float32))}
+    row = {"tokens": torch.from_numpy(row_tokens), "labels": torch.from_numpy(labels),
+           "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(seq_length, dtype=torch.long),
+           CHUNK_IDS: torch.from_numpy(row_chunks),
+           CHUNK_LOGPROBS: torch.from_numpy(chunk_logprobs.astype(np.float32))}
+    if topk is not None:
+        row.update(_pair_arrays(alignment, topk, last, seq_length))
+    return row
+
+
+def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
+                 seq_length: int) -> dict[str, torch.Tensor]:
+    """The pair arrays (module docstring) of the used chunks 1..``last``."""
+    k = topk.ids.shape[1]
+    pair_ids = np.zeros((seq_length, k), dtype=np.int64)
+    pair_logprobs = np.full((seq_length, k), -np.inf, dtype=np.float32)
+    chunks = np.arange(1, max(last, 0) + 1)
+    student_k, teacher_k = alignment.student_chunks, alignment.teacher_chunks
+    first_student = np.searchsorted(student_k, chunks, side="left")                # j_k
+    first_teacher = np.searchsorted(teacher_k, chunks, side="left")                # i_k - 1 (teacher_k: tokens 1..S)
+    single = (np.searchsorted(student_k, chunks, side="right") - first_student == 1) & \
+        (np.searchsorted(teacher_k, chunks, side="right") - first_teacher == 1)
+    student_ids = alignment.ids[np.minimum(first_student, len(alignment.ids) - 1)]
+    teacher_ids = topk.tokens[np.minimum(first_teacher + 1, len(topk.tokens) - 1)]
+    pairs = single & (topk.vocab_map[teacher_ids] == student_ids)
+    rows, positions = first_student[pairs] - 1, first_teacher[pairs]               # p = j - 1, t = i - 1
+    mapped = topk.vocab_map[topk.ids[positions]]                                  # [P, K]
+    pair_ids[rows] = np.maximum(mapped, 0)
+    pair_logprobs[rows] = np.where(mapped >= 0, topk.logprobs[positions], -np.inf)
+    return {PAIR_IDS: torch.from_numpy(pair_ids), PAIR_LOGPROBS: torch.from_numpy(pair_logprobs)}
 
 
 def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
-                        seq_length: int, *, where: str = "sample") -> dict[str, torch.Tensor]:
+                        seq_length: int, *, topk: tuple[np.ndarray, np.ndarray] | None = None,
+                        where: str = "sample") -> dict[str, torch.Tensor]:
     """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
-    ``realised_logprobs`` [S]; ``where`` names the sample in errors."""
-    return alignment_row(align_sample(tokens, teacher, student, where=where), realised_logprobs, seq_length)
+    ``realised_logprobs`` [S]; ``topk``: the cached (ids, logprobs) [S, K] for the pair arrays; ``where`` names the
+    sample in errors."""
+    pairs = None if topk is None else TeacherTopK(np.asarray(tokens, dtype=np.int64), np.asarray(topk[0]),
+                                                  np.asarray(topk[1]), identical_strings(teacher, student))
+    return alignment_row(align_sample(tokens, teacher, student, where=where), realised_logprobs, seq_length, pairs)

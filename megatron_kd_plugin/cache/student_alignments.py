@@ -22,6 +22,7 @@ key (a rewritten store, another tokenizer) and returns False, so the caller reco
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -31,7 +32,8 @@ import zipfile
 import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.align import SampleAlignment, align_sample, valid_text
+from megatron_kd_plugin.cache.align import (SampleAlignment, TeacherTopK, align_sample, alignment_row,
+                                            identical_strings, valid_text)
 
 SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/1"
 BLOCK = 64
@@ -76,6 +78,22 @@ class StudentAlignments:
             alignment = self._alignments[sample] = align_sample(tokens, self.teacher, self.student,
                                                                 where=self._where(sample))
         return alignment
+
+    @functools.cached_property
+    def vocab_map(self) -> np.ndarray:
+        """int64 [V_teacher]: ``align.identical_strings`` of the two tokenizers (computed once)."""
+        return identical_strings(self.teacher, self.student)
+
+    def row(self, sample: int, seq_length: int) -> dict:
+        """The student row of ``sample`` (``align.alignment_row``), with the pair arrays unless the store is a sampled
+        one (its slots are draws, not a top-K): reads the sample's realised log-probs and top-K (and its tokens)."""
+        pairs = self.reader.spec.mode != "sampled"
+        names = (fmt.REALISED_LOGPROB,) + ((fmt.IDS, fmt.LOGPROBS) if pairs else ()) + \
+            ((fmt.TOKENS,) if pairs or not self.known(sample) else ())
+        arrays = self.reader.sample_arrays(sample, names)
+        alignment = self.get(sample, arrays.get(fmt.TOKENS))
+        topk = TeacherTopK(arrays[fmt.TOKENS], arrays[fmt.IDS], arrays[fmt.LOGPROBS], self.vocab_map) if pairs else None
+        return alignment_row(alignment, arrays[fmt.REALISED_LOGPROB], seq_length, topk)
 
     def prepare(self, samples) -> None:
         """Align every sample of ``samples`` not aligned yet, ``BLOCK`` texts per batch encode."""

@@ -2,7 +2,7 @@
 student with another tokenizer get from the same cache?
 
     python -m megatron_kd_plugin demo --student-tokenizer unigram [--preset default|mini] [--output DIR] [--reuse]
-                                      [--alm ALPHA:TAU ...] [--steps N] [--teacher-steps N] [--seed N]
+                                      [--alm ALPHA:TAU[:GAMMA] ...] [--steps N] [--teacher-steps N] [--seed N]
     python -m megatron_kd_plugin demo --student-tokenizer PATH ...   # your tokenizer.json (or a folder holding one)
 
 Corpus: the running interpreter's stdlib ``*.py`` sources, whole files split into train and held-out by name hash.
@@ -17,8 +17,9 @@ through ``train_on_cpu``:
     A-ce     tokenizer A, hard labels only                      (kd.alpha = 0)
     A-kd     tokenizer A, same-tokenizer top-K KD, ghost tail   (kd.alpha = ``alpha``)
     B-ce     tokenizer B, hard labels only                      (the cross-tokenizer rows, kd.alpha = 0)
-    B-alm    tokenizer B, ALM chunk-likelihood KD from the cache, one run per ``--alm ALPHA:TAU``
-             (kd.alpha, kd.temperature; default ``alpha``:1)
+    B-alm    tokenizer B, ALM chunk-likelihood KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]``
+             (kd.alpha, kd.temperature, kd.token_weight: GAMMA > 0 adds the token-level term at the pair tokens,
+             the teacher's top-K in B's ids of identical strings; default ``alpha``:1 and ``alpha``:1:0.5)
 
 Metric: bits per byte on the held-out text, bpb = sum of -log2 q(token) over predicted tokens / their bytes (each
 model on its own tokenization, windows of its seq_length). Gain recovered = (bpb(B-ce) - bpb(B-alm)) /
@@ -65,8 +66,8 @@ class CrossTokConfig:
     """Top-K of the cache."""
     alpha: float = 0.5
     """kd.alpha of A-kd (and of B-alm unless ``alm`` says otherwise)."""
-    alm: tuple[tuple[float, float], ...] = ((0.5, 1.0),)
-    """(kd.alpha, kd.temperature) of each B-alm run."""
+    alm: tuple[tuple[float, float, float], ...] = ((0.5, 1.0, 0.0), (0.5, 1.0, 0.5))
+    """(kd.alpha, kd.temperature, kd.token_weight) of each B-alm run."""
     lr: float = 3e-3
     seed: int | None = None
     """The students' rng.seed and dataset.seed (None: the recipe's); the teacher keeps the recipe's."""
@@ -257,10 +258,10 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
                                     f"dataset.k={cfg.k}", *seeds), tok_a, seq, None),
             "B-ce": (student_config(cfg, store, vocab_b, seq_b, cfg.steps, "kd.alpha=0.0", b_tok, *seeds),
                      tok_b, seq_b, None)}
-    for alpha, tau in cfg.alm:
-        runs[f"B-alm alpha={alpha:g} tau={tau:g}"] = (student_config(
-            cfg, store, vocab_b, seq_b, cfg.steps, f"kd.alpha={alpha}", f"kd.temperature={tau}", b_tok, *seeds),
-            tok_b, seq_b, tau)
+    for alpha, tau, gamma in cfg.alm:
+        runs[alm_name(alpha, tau, gamma)] = (student_config(
+            cfg, store, vocab_b, seq_b, cfg.steps, f"kd.alpha={alpha}", f"kd.temperature={tau}",
+            f"kd.token_weight={gamma}", b_tok, *seeds), tok_b, seq_b, tau)
     rows, models = [teacher_row], {}
     for name, (run_cfg, tok, s, _) in runs.items():
         model, history, seconds = train(run_cfg)
@@ -280,10 +281,15 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     labels = float(np.mean([float(r["loss_mask"].sum()) for r in b_rows]))
     chunked = float(np.mean([float((r["chunk_ids"] >= 0).sum() / max(float(r["loss_mask"].sum()), 1.0))
                              for r in b_rows]))
+    pair_rows = [torch.isfinite(r["teacher_logprobs"]).any(-1) for r in b_rows]
+    paired = float(np.mean([float(p.sum() / max(float(r["loss_mask"].sum()), 1.0)) for p, r in zip(pair_rows, b_rows)]))
+    mapped = float(torch.cat([r["teacher_logprobs"][p].exp().sum(-1) for p, r in zip(pair_rows, b_rows)]).mean())
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {chunked:.3f} of them in a used chunk", "",
+             f"{seq_b}) hold {labels:.1f} labels on average, {chunked:.3f} of them in a used chunk, {paired:.3f} at a pair "
+             f"token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
+             f"{mapped:.3f} of its mass", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | chunk/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -298,12 +304,19 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     return {"rows": rows, "table": text}
 
 
-def alm_pair(text: str) -> tuple[float, float]:
+def alm_name(alpha: float, tau: float, gamma: float) -> str:
+    return f"B-alm alpha={alpha:g} tau={tau:g}" + (f" gamma={gamma:g}" if gamma else "")
+
+
+def alm_run(text: str) -> tuple[float, float, float]:
     try:
-        alpha, tau = (float(v) for v in text.split(":"))
+        values = [float(v) for v in text.split(":")]
+        if len(values) not in (2, 3):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--alm {text!r}: expected ALPHA:TAU, e.g. 0.5:1") from None
-    return alpha, tau
+        raise argparse.ArgumentTypeError(f"--alm {text!r}: expected ALPHA:TAU or ALPHA:TAU:GAMMA, e.g. 0.5:1 or "
+                                         "0.5:1:0.5") from None
+    return values[0], values[1], values[2] if len(values) == 3 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo_crosstok"))
     parser.add_argument("--reuse", action="store_true", help="keep the teacher and store of an earlier run there")
-    parser.add_argument("--alm", type=alm_pair, nargs="+", metavar="ALPHA:TAU",
-                        help="one B-alm run per kd.alpha:kd.temperature (default: the preset's alpha:1)")
+    parser.add_argument("--alm", type=alm_run, nargs="+", metavar="ALPHA:TAU[:GAMMA]",
+                        help="one B-alm run per kd.alpha:kd.temperature[:kd.token_weight] (default: the preset's "
+                             "alpha:1 and alpha:1:0.5)")
     for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
@@ -324,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "heldout_bytes", "teacher_hidden", "alpha", "seed")
                if getattr(args, name) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset], **changes)
-    cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else ((cfg.alpha, 1.0),))
+    cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else ((cfg.alpha, 1.0, 0.0),
+                                                                           (cfg.alpha, 1.0, 0.5)))
     result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
     print(result["table"])
     print(f"\n[demo] results in {args.output}/results.md")

@@ -50,6 +50,10 @@ class ChunkCoefs(NamedTuple):
             return ChunkCoefs(*(None if t is None else t * scale.view(-1, *([1] * (t.dim() - 1))) for t in self))
         return ChunkCoefs(*(None if t is None else t * scale for t in self))
 
+    def plus(self, other: ChunkCoefs) -> ChunkCoefs:
+        """The coefficients of the sum of two losses' gradients (a term absent from both stays None)."""
+        return ChunkCoefs(*(a if b is None else b if a is None else a + b for a, b in zip(self, other, strict=True)))
+
 
 class _TorchChunk:
     """One chunk on the PyTorch pieces; r is a writable buffer in the accumulation dtype."""

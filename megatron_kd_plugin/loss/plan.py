@@ -82,10 +82,10 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
                   sample_weights: torch.Tensor | None = None) -> KDBatch:
     """[s, b, K] / [s, b] inputs -> the flattened per-token batch (T*K work, no vocab). The teacher's float64 math
     runs over blocks of tokens (``_teacher_block_tokens``), so its temporaries stay within the chunk budget."""
-    k = teacher_ids.shape[-1]
+    t, k = loss_mask.numel(), teacher_ids.shape[-1]
     options, shard = plan.options, plan.shard
-    ids, logprobs = teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k)
-    weights = None if sample_weights is None else sample_weights.reshape(-1, k)
+    ids, logprobs = teacher_ids.reshape(t, k), teacher_logprobs.reshape(t, k)
+    weights = None if sample_weights is None else sample_weights.reshape(t, k)
     step = _teacher_block_tokens(plan, k, teacher_ids.device)
     blocks = []
     for start in range(0, max(ids.shape[0], 1), step):
@@ -110,7 +110,7 @@ def prepare_batch(plan: LossPlan, teacher_ids: torch.Tensor, teacher_logprobs: t
 
 def _teacher_block_tokens(plan: LossPlan, k: int, device: torch.device) -> int:
     """Tokens per block of the teacher's float64 math: ~16 float64 [tokens, K] temporaries within the chunk budget."""
-    return max(1, plan.options.budget_bytes(device) // (16 * 8 * k))
+    return max(1, plan.options.budget_bytes(device) // (16 * 8 * max(k, 1)))
 
 
 def input_grads(ctx, plan: LossPlan) -> tuple[bool, bool]:

@@ -3,6 +3,8 @@
 Each chunk: raw logits r [c, V/tp] (from X_c W^T or from stored logits) -> MAX all-reduce of the row max ->
 one SUM all-reduce of [E_tail, g (K), r_y, S1] -> ``token_terms`` -> optionally the logits gradient, handed to
 ``on_grad``. Recompute mode keeps the per-token coefficients instead and rebuilds the gradient in ``backward_pass``.
+A per-token pass (``PerToken``) returns each token's KD and CE values instead of weighted sums, and keeps the two
+terms' coefficients apart, so that backward can scale each term of each token by its own incoming gradient.
 The per-chunk vocab work between the collectives is a backend's (``chunk_backends``: PyTorch or Triton).
 """
 
@@ -11,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import dataclasses
+
 import torch
 
 from .chunk_backends import ChunkCoefs, chunk_backend
 from .plan import KDBatch, LossPlan
-from .token_math import TokenPartials, TokenTerms, token_terms
+from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_max_, all_reduce_sum_
 
 LogitsChunk = Callable[[slice], torch.Tensor]        # rows -> writable raw logits [c, V/tp]
@@ -26,7 +30,16 @@ class SavedCoefs(NamedTuple):
     """Per-token numbers that rebuild a chunk's gradient from its recomputed logits (T*K, no vocab)."""
 
     row_max: torch.Tensor         # [T] M
-    coefs: ChunkCoefs             # [T], [T, K], [T], [T]
+    coefs: ChunkCoefs             # [T], [T, K], [T], [T]; a per-token pass: the KD term's alone
+    ce_coefs: ChunkCoefs | None = None   # a per-token pass: the CE term's (d CE_t / d r), else None
+
+
+class PerToken(NamedTuple):
+    """Buffers a per-token pass fills, chunk by chunk: unweighted per-token values, alpha and the loss_mask not
+    applied (the batch's weights are 1 where a term is formed)."""
+
+    ce: torch.Tensor              # [T] L1 - r_y (0 where the label is IGNORE_INDEX)
+    kd: torch.Tensor              # [T] tau^2 f (0 where the token has no teacher bucket)
 
 
 def _chunks(plan: LossPlan, num_tokens: int, device: torch.device):
@@ -34,22 +47,33 @@ def _chunks(plan: LossPlan, num_tokens: int, device: torch.device):
     return (slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step))
 
 
+def _coef_buffers(plan: LossPlan, batch: KDBatch) -> ChunkCoefs:
+    num_tokens, k = batch.local_ids.shape
+    t_vec = batch.weight.new_empty(num_tokens)
+    return ChunkCoefs(torch.empty_like(t_vec), batch.weight.new_empty(num_tokens, k),
+                      torch.empty_like(t_vec) if plan.with_labels else None,
+                      torch.empty_like(t_vec) if plan.with_labels and plan.options.temperature != 1.0 else None)
+
+
 def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_grad: GradSink | None,
-                 keep_coefs: bool, token_ce: torch.Tensor | None = None) -> tuple[torch.Tensor, SavedCoefs | None]:
+                 keep_coefs: bool, per_token: PerToken | None = None) -> tuple[torch.Tensor, SavedCoefs | None]:
     """Loss totals [kd_sum, ce_sum, student_mass_sum] (weighted, unscaled) and, if ``keep_coefs``, the coefficients
-    for ``backward_pass``. With ``on_grad`` each chunk's d loss_sum / d r goes to it during the pass; ``token_ce``
-    [T] receives each token's unweighted CE L1 - r_y (``TokenTerms.ce``)."""
+    for ``backward_pass``. With ``on_grad`` each chunk's d loss_sum / d r goes to it during the pass. With
+    ``per_token`` (recompute only, labels formed) the pass fills its per-token values, and the saved coefficients
+    are the KD term's (alpha = 1) and the CE term's (alpha = 0) apart."""
     options = plan.options
     num_tokens, k = batch.local_ids.shape
     with_full = plan.with_labels and options.temperature != 1.0
+    if per_token is not None and (on_grad is not None or not plan.with_labels):
+        raise ValueError("a per-token pass needs labels and keeps coefficients (no gradient during forward)")
+    kd_options = options if per_token is None else dataclasses.replace(options, alpha=1.0)
+    ce_options = dataclasses.replace(options, alpha=0.0) if per_token is not None and keep_coefs else None
     backend = chunk_backend(plan, batch)
     totals = torch.zeros(3, dtype=plan.dtype, device=batch.weight.device)
     saved = None
     if keep_coefs:
-        t_vec = batch.weight.new_empty(num_tokens)
-        saved = SavedCoefs(t_vec, ChunkCoefs(torch.empty_like(t_vec), batch.weight.new_empty(num_tokens, k),
-                                             torch.empty_like(t_vec) if plan.with_labels else None,
-                                             torch.empty_like(t_vec) if with_full else None))
+        saved = SavedCoefs(batch.weight.new_empty(num_tokens), _coef_buffers(plan, batch),
+                           _coef_buffers(plan, batch) if per_token is not None else None)
     for rows in _chunks(plan, num_tokens, batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)                       # [c, V/tp] raw r
         row_max = all_reduce_max_(chunk.local_max(), plan.shard)             # [c] M
@@ -58,12 +82,13 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
         partials = TokenPartials(support_logits=packed[:, 1:1 + k], row_max=row_max, tail_sum=packed[:, 0],
                                  label_logit=extra[0] if plan.with_labels else None,
                                  ce_sum_exp=extra[1] if with_full else None)
-        weight = batch.weight[rows]
-        terms: TokenTerms = token_terms(partials, batch.teacher.rows(rows), weight, options,
-                                        None if batch.has_label is None else batch.has_label[rows])
+        weight, teacher = batch.weight[rows], batch.teacher.rows(rows)
+        has_label = None if batch.has_label is None else batch.has_label[rows]
+        terms = token_terms(partials, teacher, weight, kd_options, has_label)
         counted = weight != 0
-        if token_ce is not None:
-            token_ce[rows] = terms.ce
+        if per_token is not None:
+            per_token.ce[rows] = terms.ce
+            per_token.kd[rows] = terms.kd * options.temperature ** 2
         totals += torch.stack([(weight * terms.kd).sum(), (weight * terms.ce).sum(),
                                torch.where(counted, terms.student_mass, terms.kd.new_zeros(())).sum()])
         if on_grad is not None or saved is not None:
@@ -72,20 +97,28 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
                 on_grad(rows, chunk.logits_grad_(row_max, coefs))
             if saved is not None:
                 saved.row_max[rows] = row_max
-                for buffer, value in zip(saved.coefs, coefs, strict=True):
-                    if buffer is not None:
-                        buffer[rows] = value
+                parts = [(saved.coefs, coefs)]
+                if ce_options is not None:                               # a per-token pass: the CE term's apart
+                    ce_terms = token_terms(partials, teacher, weight, ce_options, has_label)
+                    parts.append((saved.ce_coefs, backend.coefs(rows, ce_terms, partials)))
+                for buffers, values in parts:
+                    for buffer, value in zip(buffers, values, strict=True):
+                        if buffer is not None:
+                            buffer[rows] = value
         del chunk                                # freed before the next chunk's logits: one [c, V/tp] at a time
     return totals, saved
 
 
 def backward_pass(plan: LossPlan, batch: KDBatch, saved: SavedCoefs, grad_scale: torch.Tensor,
-                  logits_chunk: LogitsChunk, on_grad: GradSink) -> None:
+                  logits_chunk: LogitsChunk, on_grad: GradSink, ce_scale: torch.Tensor | None = None) -> None:
     """Recompute each chunk's logits and hand grad_scale * d loss_sum / d r to ``on_grad``; no collectives.
-    ``grad_scale``: a scalar, or one per token [T] (each token's coefficients scaled by its own)."""
+    ``grad_scale``: a scalar, or one per token [T] (each token's coefficients scaled by its own). After a per-token
+    pass ``grad_scale`` [T] scales the KD coefficients and ``ce_scale`` [T] the CE ones."""
     backend = chunk_backend(plan, batch)
     for rows in _chunks(plan, batch.local_ids.shape[0], batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)
-        scale = grad_scale[rows] if grad_scale.dim() else grad_scale
-        on_grad(rows, chunk.logits_grad_(saved.row_max[rows], saved.coefs.rows(rows).scaled(scale)))
+        coefs = saved.coefs.rows(rows).scaled(grad_scale[rows] if grad_scale.dim() else grad_scale)
+        if ce_scale is not None:
+            coefs = coefs.plus(saved.ce_coefs.rows(rows).scaled(ce_scale[rows]))
+        on_grad(rows, chunk.logits_grad_(saved.row_max[rows], coefs))
         del chunk
