@@ -3,7 +3,8 @@
 Commands:
   demo      the end-to-end job on an embedded default: a HF teacher trained and cached, a pruned copy healed
             from the cache by KD (and by CE as control), all evaluated (--from-scratch: the first demo;
-            --student-tokenizer unigram|PATH: cross-tokenizer KD against CE and same-tokenizer KD, bits per byte)
+            --student-tokenizer unigram|bpe|PATH: cross-tokenizer KD against CE and same-tokenizer KD,
+            bits per byte)
   cache     run a teacher once over token data and write its top-K (or sampled) cache store (under torchrun)
   train     distil a student from a cache store with a KD recipe (Bridge's pretrain() on GPU, a CPU loop without)
   inspect   print (and optionally plot) what a teacher top-K cache store holds

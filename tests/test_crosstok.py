@@ -180,17 +180,18 @@ def reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence
 def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha,
                           token_weight=0.0, teacher_ids=None, teacher_logprobs=None):
     """float64 dense ALM (plus the token-level term): full logits [s, b, V], per-chunk python loops, the binarised
-    divergence written out."""
+    divergence written out; each token's CE weighted by 1 - alpha * (the share of the teacher terms covering it)."""
     s, b, _ = logits.shape
     logp = torch.log_softmax(logits.double(), -1)                                      # [s, b, V]
     l = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (mask != 0)      # [s, b]
-    ce = -(mask.double() * l).sum()
+    in_used_chunk = torch.zeros(s, b, dtype=torch.bool)
     chunk = logp.new_zeros(())
     for col in range(b):
         for c in sorted(set(chunk_ids[:, col].tolist()) - {-1}):
             members = (chunk_ids[:, col] == c).nonzero().flatten()
             if bool((mask[members, col] == 0).any()):
                 continue
+            in_used_chunk[members, col] = True
             lt = (teacher_chunks[c, col].double() / temperature).clamp(max=-1e-6)
             ls = (l[members, col].sum() / temperature).clamp(max=-1e-6)
             p, q = lt.exp(), ls.exp()
@@ -199,10 +200,13 @@ def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, di
             else:
                 d = q * (ls - lt) + (1 - q) * (torch.log1p(-q) - torch.log1p(-p))
             chunk = chunk + len(members) * d
+    coverage = (1 - token_weight) * in_used_chunk.double()
+    token = logp.new_zeros(())
     if token_weight:
         token = reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence)
-        chunk = (1 - token_weight) * chunk + token_weight * token
-    return alpha * chunk + (1 - alpha) * ce
+        coverage = coverage + token_weight * (torch.isfinite(teacher_logprobs).any(-1) & (mask != 0)).double()
+    ce = -(mask.double() * (1 - alpha * coverage) * l).sum()
+    return alpha * ((1 - token_weight) * chunk + token_weight * token) + ce
 
 
 # ---- tokenizers and alignment -------------------------------------------------------------------------------------

@@ -34,15 +34,15 @@ store read as written (chunk records checked) and the same store with its ``chun
 version set to 2 (read without them, as a version 2 store is), in alternating rounds in this one process; best
 rate of each, their ratio, and the bytes/token of ``chunk_records``.
 
-``--cross-tokenizer`` (issue #18) writes one store of the synthetic teacher over real text (the running
-interpreter's stdlib ``*.py`` sources, tokenized by a byte-level BPE trained on them, ``--vocab``'s first entry ids)
-with and without the cross-tokenizer arrays, and prints the added bytes/token (the realised log-probs; the byte
-table once per store) and the reader's teacher tokens/s (CPU seconds of this process, random order), first pass
-and steady state: the same-tokenizer dataset (``TopKCacheDataset``) next to the cross-tokenizer one
-(``CrossTokenizerDataset``: read, re-tokenise with a student tokenizer trained on the same text, align, cut; each
-sample's alignment is kept after its first read) with its alignments made three ways before or during the first
-pass: on each sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or loaded from the
-sidecar file; in one run, so the ratios are side by side.
+``--cross-tokenizer`` (issue #18) writes one store of the synthetic teacher over real text (the running interpreter's
+stdlib ``*.py`` sources, tokenized by a byte-level BPE trained on them, ``--vocab``'s first entry ids) with and without
+the cross-tokenizer arrays, and prints the added bytes/token (the realised log-probs; the byte table once per store)
+and the reader's teacher tokens/s (CPU seconds of this process, random order), first pass and steady state: the
+same-tokenizer dataset (``TopKCacheDataset``) next to the cross-tokenizer one (``CrossTokenizerDataset``: read,
+re-tokenise with a student tokenizer trained on the same text, align, cut, map the pair tokens' top-K; each sample's
+alignment is kept after its first read) with its alignments made three ways before or during the first pass: on each
+sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or loaded from the sidecar file; in
+one run, so the ratios are side by side.
 
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
@@ -466,9 +466,9 @@ def cross_tokenizer_runs(args) -> None:
         ids = np.arange(len(source))
         print("\nteacher tokens/s per CPU second of this process, random order; first pass: a new dataset (and for "
               "the cross-tokenizer rows the alignment work it needs first), steady: best of 5 later passes\n")
-        print("| reader | student tokens / teacher token | labels in a used chunk | first pass | ratio | steady "
-              "| ratio |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| reader | student tokens / teacher token | labels in a used chunk | labels at a pair token "
+              "| first pass | ratio | steady | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
         def passes(make, setup=lambda data: None):
             """(first-pass rate including ``setup``, steady rate, the dataset)."""
@@ -483,7 +483,8 @@ def cross_tokenizer_runs(args) -> None:
         first, steady, _ = passes(lambda: TopKCacheDataset(reader, ids, seq_length=args.seq_length,
                                                            num_rows=len(source), seed=0))
         base_first, base = first, steady
-        print(f"| TopKCacheDataset (same tokenizer, K={args.k}) | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} | 1.00 |")
+        print(f"| TopKCacheDataset (same tokenizer, K={args.k}) | 1 | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} "
+              "| 1.00 |")
         for name, student in students.items():
             sidecar = work / f"{name}.npz"
             make = lambda: CrossTokenizerDataset(reader, ids, student=student, seq_length=2 * args.seq_length,  # noqa
@@ -498,9 +499,10 @@ def cross_tokenizer_runs(args) -> None:
                     rows = [data[i] for i in range(len(source))]
                     labels = sum(float(r["loss_mask"].sum()) for r in rows)
                     chunked = sum(int((r["chunk_ids"] >= 0).sum()) for r in rows)
+                    paired = sum(int(r["teacher_logprobs"].isfinite().any(-1).sum()) for r in rows)
                 print(f"| CrossTokenizerDataset, student {name}, {mode} | {labels / tokens:.3f} "
-                      f"| {chunked / labels:.3f} | {first:,.0f} | {first / base_first:.2f} | {steady:,.0f} "
-                      f"| {steady / base:.2f} |")
+                      f"| {chunked / labels:.3f} | {paired / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
+                      f"| {steady:,.0f} | {steady / base:.2f} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -3,10 +3,10 @@
     cfg = KDConfigContainer(model=..., dataset=TopKCacheDatasetProvider(...), kd=KDConfig(temperature=2.0), ...)
     process_config_with_overrides(cfg, cli_overrides=["kd.alpha=0.5"])   # Bridge's Hydra-style overrides
 
-``KDConfig`` mirrors ``megatron_kd_plugin.loss.KDLossOptions`` field for field (their meanings are documented
-there, once), plus ``token_weight``, which only the cross-tokenizer loss reads. It exists because Bridge applies overrides with ``setattr`` and the loss's options are frozen: a
-frozen section would silently ignore ``kd.temperature=2``. ``KDConfig.options()`` builds (and so validates) the
-frozen options the loss receives.
+``KDConfig`` mirrors ``megatron_kd_plugin.loss.KDLossOptions`` field for field (their meanings are documented there,
+once), plus ``token_weight``, which only the cross-tokenizer loss reads. It exists because Bridge applies overrides
+with ``setattr`` and the loss's options are frozen: a frozen section would silently ignore ``kd.temperature=2``.
+``KDConfig.options()`` builds (and so validates) the frozen options the loss receives.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Cross-tokenizer distillation quality in bits per byte (issue #18): how much of the same-tokenizer KD gain does a
 student with another tokenizer get from the same cache?
 
-    python -m megatron_kd_plugin demo --student-tokenizer unigram [--preset default|mini] [--output DIR] [--reuse]
+    python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe [--preset default|mini] [--output DIR] [--reuse]
                                       [--alm ALPHA:TAU[:GAMMA] ...] [--steps N] [--teacher-steps N] [--seed N]
     python -m megatron_kd_plugin demo --student-tokenizer PATH ...   # your tokenizer.json (or a folder holding one)
 
 Corpus: the running interpreter's stdlib ``*.py`` sources, whole files split into train and held-out by name hash.
-Tokenizer A (the teacher's): byte-level BPE; tokenizer B (the student's): ``unigram`` trains a Unigram (Metaspace)
-on the train split, both ``vocab`` ids; a PATH is used as it is (it must be lossless on the text:
-``token_bytes.check_lossless``). Teacher: a GPT (``teacher_layers`` x ``teacher_hidden``) trained on A-tokenized
-text with hard labels through the plugin's Bridge CPU path (``train_on_cpu``, kd.alpha = 0), then cached with
-``write_cache`` (top-``k``, plus the cross-tokenizer arrays). Students of one architecture (the tiny recipe's: 2
-layers x 64), one seed, the same rows (one per cached sample: the same text), steps and learning-rate schedule, each
-through ``train_on_cpu``:
+Tokenizer A (the teacher's): byte-level BPE; tokenizer B (the student's): ``unigram`` trains a Unigram (Metaspace) on
+the train split, ``bpe`` a byte-level BPE on every other train document, all of ``vocab`` ids; a PATH is used as it is
+(it must be lossless on the text: ``token_bytes.check_lossless``). Teacher: a GPT (``teacher_layers`` x
+``teacher_hidden``) trained on A-tokenized text with hard labels through the plugin's Bridge CPU path
+(``train_on_cpu``, kd.alpha = 0), then cached with ``write_cache`` (top-``k``, plus the cross-tokenizer arrays).
+Students of one architecture (the tiny recipe's: 2 layers x 64), one seed, the same rows (one per cached sample: the
+same text), steps and learning-rate schedule, each through ``train_on_cpu``:
 
     A-ce     tokenizer A, hard labels only                      (kd.alpha = 0)
     A-kd     tokenizer A, same-tokenizer top-K KD, ghost tail   (kd.alpha = ``alpha``)
@@ -59,7 +59,7 @@ class CrossTokConfig:
     heldout_bytes: int = 60_000
     teacher_layers: int = 4
     teacher_hidden: int = 128
-    teacher_steps: int = 120
+    teacher_steps: int = 600
     steps: int = 80
     """Student steps, 8 rows each."""
     k: int = 16
@@ -93,23 +93,36 @@ def corpus(max_bytes: int, heldout_bytes: int) -> tuple[list[str], list[str]]:
     return train, heldout
 
 
-def train_tokenizers(train: list[str], vocab: int, folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """tokenizer.json files of A (byte-level BPE) and B (Unigram), trained on ``train``."""
+STUDENT_KINDS = ("unigram", "bpe")
+"""Tokenizers B the demo trains: a Unigram (SentencePiece-style, another family than A) or a byte-level BPE of A's
+vocabulary size trained on every other train document (A's family, other merges: Llama 3 against Qwen)."""
+
+
+def train_tokenizers(train: list[str], vocab: int, folder: pathlib.Path,
+                     student: str = "unigram") -> tuple[pathlib.Path, pathlib.Path]:
+    """tokenizer.json files of A (byte-level BPE) and B (``student``: one of ``STUDENT_KINDS``), trained on
+    ``train``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(train, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    uni = Tokenizer(models.Unigram())
-    uni.pre_tokenizer, uni.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    uni.train_from_iterator(train, trainers.UnigramTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<unk>"],
-                                                           unk_token="<unk>", show_progress=False))
+    def byte_level_bpe(texts: list[str]):
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                           show_progress=False))
+        return bpe
+
+    if student == "bpe":
+        b = byte_level_bpe(train[1::2])
+    else:
+        b = Tokenizer(models.Unigram())
+        b.pre_tokenizer, b.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        b.train_from_iterator(train, trainers.UnigramTrainer(vocab_size=vocab, unk_token="<unk>", show_progress=False,
+                                                             special_tokens=["<|endoftext|>", "<unk>"]))
     folder.mkdir(parents=True, exist_ok=True)
     paths = folder / "a.json", folder / "b.json"
-    bpe.save(str(paths[0]))
-    uni.save(str(paths[1]))
+    byte_level_bpe(train).save(str(paths[0]))
+    b.save(str(paths[1]))
     return paths
 
 
@@ -211,8 +224,9 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
     if reuse and store.is_dir() and teacher_row.is_file():
         tok_a, tok_b = out / "tokenizers" / "a.json", pathlib.Path(json.loads(teacher_row.read_text())["student"])
         return tok_a, tok_b, store, heldout, json.loads(teacher_row.read_text())
-    tok_a, tok_b = train_tokenizers(train_texts, cfg.vocab, out / "tokenizers")
-    if student_tokenizer != "unigram":
+    tok_a, tok_b = train_tokenizers(train_texts, cfg.vocab, out / "tokenizers",
+                                    student_tokenizer if student_tokenizer in STUDENT_KINDS else "unigram")
+    if student_tokenizer not in STUDENT_KINDS:
         tok_b = pathlib.Path(student_tokenizer)
         tok_b = tok_b / "tokenizer.json" if tok_b.is_dir() else tok_b
     table_a = TokenBytes.load(tok_a, vocab_size=cfg.vocab)
@@ -287,8 +301,8 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {chunked:.3f} of them in a used chunk, {paired:.3f} at a pair "
-             f"token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
+             f"{seq_b}) hold {labels:.1f} labels on average, {chunked:.3f} of them in a used chunk, {paired:.3f} at a "
+             f"pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
              f"{mapped:.3f} of its mass", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | chunk/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]
@@ -322,8 +336,9 @@ def alm_run(text: str) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo --student-tokenizer",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--student-tokenizer", required=True, metavar="unigram|PATH",
-                        help="the students' tokenizer B: 'unigram' (trained on the train split) or a tokenizer.json")
+    parser.add_argument("--student-tokenizer", required=True, metavar="unigram|bpe|PATH",
+                        help="the students' tokenizer B: 'unigram' (trained on the train split), 'bpe' (a byte-level "
+                             "BPE of A's size trained on every other train document) or a tokenizer.json")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo_crosstok"))
     parser.add_argument("--reuse", action="store_true", help="keep the teacher and store of an earlier run there")

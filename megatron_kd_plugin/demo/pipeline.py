@@ -3,7 +3,7 @@
     python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite] [--seed N]
                                       [--corpus FOLDER_OR_JSONL [--text-key text]]
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
-    python -m megatron_kd_plugin demo --student-tokenizer unigram|PATH ...   # cross-tokenizer KD in bits per byte
+    python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
 
 Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
 user runs them, and are written to ``commands.sh``):
@@ -347,9 +347,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from-scratch", action="store_true", help="the first demo instead: a GPT teacher and "
                         "students trained from random weights (demo --from-scratch --help)")
-    parser.add_argument("--student-tokenizer", metavar="unigram|PATH", help="the cross-tokenizer comparison instead: "
-                        "students with another tokenizer distilled from the same cache, in held-out bits per byte "
-                        "(demo --student-tokenizer unigram --help)")
+    parser.add_argument("--student-tokenizer", metavar="unigram|bpe|PATH", help="the cross-tokenizer comparison "
+                        "instead: students with another tokenizer distilled from the same cache, in held-out bits "
+                        "per byte (demo --student-tokenizer unigram --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")

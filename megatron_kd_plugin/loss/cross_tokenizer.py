@@ -18,14 +18,18 @@ mapped to the student's ids of identical strings (``teacher_ids``, ``teacher_log
 such id, and on every slot of a token that is not a pair), is a top-K teacher for the student's next token; with
 the ghost tail and no temperature (``token_math``: the K + 1 buckets, the unmapped mass in the tail)
     f_t = divergence(P_t, Q_t) over the buckets                [T]   0 where every slot is -inf (P = Q = tail)
-    loss_sum = alpha * ((1 - gamma) sum_c n_c D_c + gamma sum_t w_t f_t) + (1 - alpha) * sum_t w_t (-l_t)
+    P = the counted tokens with a mapped slot;  U = the tokens of the used chunks
+Each token's alpha-mix, as in the same-tokenizer loss, over the teacher signals that cover it: its coverage
+kappa_t = (1 - gamma) [t in U] + gamma [t in P] in [0, 1] goes to them, the rest to its own CE (a token no teacher
+signal covers keeps plain CE):
+    loss_sum = alpha (1 - gamma) sum_c n_c D_c + alpha gamma sum_t w_t f_t + sum_t w_t (1 - alpha kappa_t) (-l_t)
     (w = loss_mask; CE at tau = 1)                 num_tokens = #{t : w_t != 0}
-Chunk terms count only tokens with w_t != 0 (a chunk with one masked token drops out whole). Gradient: with
-g_t = d loss_sum / d l_t (alpha (1 - gamma) n_c dD_c/ds_c, minus (1 - alpha) w_t) and h_t = d loss_sum / d f_t
-(alpha gamma w_t), d r_t = -g_t (softmax(r) - onehot(y_t)) + h_t df_t/dr: the fused chunk loop's CE and KD
-coefficients (``token_math``) kept apart in one pass (``vocab_loop.PerToken``) and scaled per token. The chunk math
-is O(T) autograd on the all-reduced l and f (identical on every TP rank); the vocab work is the fused chunk loop in
-its ``recompute`` mode (g_t is known only in backward): one pass over the logits forms both terms.
+gamma = 0 is ALM alone. Chunk terms count only tokens with w_t != 0 (a chunk with one masked token drops out whole).
+Gradient: with g_t = d loss_sum / d l_t (alpha (1 - gamma) n_c dD_c/ds_c, minus (1 - alpha kappa_t) w_t) and h_t = d
+loss_sum / d f_t (alpha gamma w_t), d r_t = -g_t (softmax(r) - onehot(y_t)) + h_t df_t/dr: the fused chunk loop's CE
+and KD coefficients (``token_math``) kept apart in one pass (``vocab_loop.PerToken``) and scaled per token. The chunk
+math is O(T) autograd on the all-reduced l and f (identical on every TP rank); the vocab work is the fused chunk loop
+in its ``recompute`` mode (g_t is known only in backward): one pass over the logits forms both terms.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class ChunkLossResult(NamedTuple):
     """What ``chunk_likelihood_loss`` returns (sums over counted tokens / used chunks)."""
 
     loss_sum: torch.Tensor
-    """Differentiable: alpha * ((1 - gamma) sum_c n_c D_c + gamma sum_t w_t f_t) + (1 - alpha) * CE sum."""
+    """Differentiable: the module docstring's loss_sum."""
     num_tokens: torch.Tensor
     """int64: tokens with a non-zero loss_mask."""
     chunk_sum: torch.Tensor
@@ -196,9 +200,11 @@ def chunk_likelihood_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     d = binarised_divergence(torch.where(used, teacher, -1.0), torch.where(used, student, -1.0),
                              divergence=divergence, jsd_beta=jsd_beta, temperature=temperature)
     chunk_sum = torch.where(used, sizes * d, 0.0).sum()
-    kd_sum = (1.0 - token_weight) * chunk_sum + token_weight * token_sum if with_tokens else chunk_sum
-    loss_sum = alpha * kd_sum + (1.0 - alpha) * ce_sum
+    paired = counted & batch.teacher.valid.any(-1)                                          # [T] t in P
+    coverage = (1.0 - token_weight) * (in_chunk & used[target]).to(dtype) + token_weight * paired.to(dtype)
+    loss_sum = alpha * ((1.0 - token_weight) * chunk_sum + token_weight * token_sum) - \
+        (weights * (1.0 - alpha * coverage) * logprobs).sum()
     gap = torch.where(used, (teacher - student).abs(), 0.0).sum()
-    pairs = (counted & batch.teacher.valid.any(-1)).sum().to(dtype)
+    pairs = paired.sum().to(dtype)
     return ChunkLossResult(loss_sum, torch.count_nonzero(counted).to(torch.int64), chunk_sum.detach(),
                            ce_sum.detach(), used.sum().to(dtype), gap.detach(), token_sum.detach(), pairs)
