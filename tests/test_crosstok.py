@@ -597,6 +597,7 @@ def _bridge_tp1_body(folder):
     state = GlobalState()
     state.cfg = cfg
     with torch.no_grad():
+        cfg.kd.token_weight = 0.0                                                       # ALM alone
         output, loss_func = kd_forward_step(state, iter([batch]), model)
         loss_sum, num_tokens, report = loss_func(output)
         cfg.kd.token_weight = 0.5
@@ -671,20 +672,23 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
 
 
 def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_path):
-    """``demo --student-tokenizer unigram --preset mini``: teacher, A-ce, A-kd, B-ce and one B-alm row per --alm,
-    finite bits per byte, the chunk/CE gradient-norm ratio of each ALM run."""
+    """``demo --student-tokenizer bpe --preset mini``: teacher, A-ce, A-kd, B-ce and one B-kd row per --alm (one
+    with the token-level term), finite bits per byte, the chunk/CE gradient-norm ratio of each ALM run, the pair
+    coverage in the summary."""
     import json
     import subprocess
     import sys
 
     from tests.distributed import scaled
 
-    command = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "unigram", "--preset",
-               "mini", "--output", str(tmp_path), "--alm", "1:4"]
+    command = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "bpe", "--preset",
+               "mini", "--output", str(tmp_path), "--alm", "1:4", "0.5:1:0.5"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {row["name"]: row for row in json.loads((tmp_path / "results.json").read_text())}
-    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-alm alpha=1 tau=4"] and list(rows)[0].startswith("teacher")
+    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-kd alpha=1 tau=4 gamma=0", "B-kd alpha=0.5 tau=1 gamma=0.5"]
+    assert list(rows)[0].startswith("teacher")
     assert all(0 < row["bpb"] < 10 for row in rows.values())
-    assert rows["B-alm alpha=1 tau=4"]["chunk_pull"] > 0
-    assert "| B-alm alpha=1 tau=4 |" in done.stdout
+    assert rows["B-kd alpha=1 tau=4 gamma=0"]["chunk_pull"] > 0
+    assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and " at a pair token " in done.stdout
+    assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["pairs"] > 0

@@ -17,12 +17,13 @@ same text), steps and learning-rate schedule, each through ``train_on_cpu``:
     A-ce     tokenizer A, hard labels only                      (kd.alpha = 0)
     A-kd     tokenizer A, same-tokenizer top-K KD, ghost tail   (kd.alpha = ``alpha``)
     B-ce     tokenizer B, hard labels only                      (the cross-tokenizer rows, kd.alpha = 0)
-    B-alm    tokenizer B, ALM chunk-likelihood KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]``
-             (kd.alpha, kd.temperature, kd.token_weight: GAMMA > 0 adds the token-level term at the pair tokens,
-             the teacher's top-K in B's ids of identical strings; default ``alpha``:1 and ``alpha``:1:0.5)
+    B-kd     tokenizer B, cross-tokenizer KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]`` (kd.alpha,
+             kd.temperature of the chunk term, kd.token_weight = GAMMA: 0 the ALM chunk term alone, 1 the
+             token-level term alone, the teacher's top-K in B's ids of identical strings at the pair tokens;
+             default ``alpha``:1:GAMMA for GAMMA = 0, 0.5, 1)
 
 Metric: bits per byte on the held-out text, bpb = sum of -log2 q(token) over predicted tokens / their bytes (each
-model on its own tokenization, windows of its seq_length). Gain recovered = (bpb(B-ce) - bpb(B-alm)) /
+model on its own tokenization, windows of its seq_length). Gain recovered = (bpb(B-ce) - bpb(B-kd)) /
 (bpb(A-ce) - bpb(A-kd)). The chunk term's pull, measured on the B-ce student: the norm of the gradient of the chunk
 sum sum_c n_c D_c over the student's logits, over that of the CE sum, on 8 training rows, at each ALM run's tau.
 Prints one markdown table (also ``results.md`` and ``results.json`` under the output folder). ``--reuse`` keeps
@@ -65,9 +66,9 @@ class CrossTokConfig:
     k: int = 16
     """Top-K of the cache."""
     alpha: float = 0.5
-    """kd.alpha of A-kd (and of B-alm unless ``alm`` says otherwise)."""
-    alm: tuple[tuple[float, float, float], ...] = ((0.5, 1.0, 0.0), (0.5, 1.0, 0.5))
-    """(kd.alpha, kd.temperature, kd.token_weight) of each B-alm run."""
+    """kd.alpha of A-kd (and of B-kd unless ``alm`` says otherwise)."""
+    alm: tuple[tuple[float, float, float], ...] = ((0.5, 1.0, 0.0), (0.5, 1.0, 0.5), (0.5, 1.0, 1.0))
+    """(kd.alpha, kd.temperature, kd.token_weight) of each B-kd run."""
     lr: float = 3e-3
     seed: int | None = None
     """The students' rng.seed and dataset.seed (None: the recipe's); the teacher keeps the recipe's."""
@@ -273,7 +274,7 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
             "B-ce": (student_config(cfg, store, vocab_b, seq_b, cfg.steps, "kd.alpha=0.0", b_tok, *seeds),
                      tok_b, seq_b, None)}
     for alpha, tau, gamma in cfg.alm:
-        runs[alm_name(alpha, tau, gamma)] = (student_config(
+        runs[kd_name(alpha, tau, gamma)] = (student_config(
             cfg, store, vocab_b, seq_b, cfg.steps, f"kd.alpha={alpha}", f"kd.temperature={tau}",
             f"kd.token_weight={gamma}", b_tok, *seeds), tok_b, seq_b, tau)
     rows, models = [teacher_row], {}
@@ -318,8 +319,8 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     return {"rows": rows, "table": text}
 
 
-def alm_name(alpha: float, tau: float, gamma: float) -> str:
-    return f"B-alm alpha={alpha:g} tau={tau:g}" + (f" gamma={gamma:g}" if gamma else "")
+def kd_name(alpha: float, tau: float, gamma: float) -> str:
+    return f"B-kd alpha={alpha:g} tau={tau:g} gamma={gamma:g}"
 
 
 def alm_run(text: str) -> tuple[float, float, float]:
@@ -343,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo_crosstok"))
     parser.add_argument("--reuse", action="store_true", help="keep the teacher and store of an earlier run there")
     parser.add_argument("--alm", type=alm_run, nargs="+", metavar="ALPHA:TAU[:GAMMA]",
-                        help="one B-alm run per kd.alpha:kd.temperature[:kd.token_weight] (default: the preset's "
-                             "alpha:1 and alpha:1:0.5)")
+                        help="one B-kd run per kd.alpha:kd.temperature[:kd.token_weight] (default: the preset's "
+                             "alpha:1, alpha:1:0.5 and alpha:1:1)")
     for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
@@ -353,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "heldout_bytes", "teacher_hidden", "alpha", "seed")
                if getattr(args, name) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset], **changes)
-    cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else ((cfg.alpha, 1.0, 0.0),
-                                                                           (cfg.alpha, 1.0, 0.5)))
+    cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else tuple((cfg.alpha, 1.0, gamma)
+                                                                              for gamma in (0.0, 0.5, 1.0)))
     result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
     print(result["table"])
     print(f"\n[demo] results in {args.output}/results.md")
