@@ -255,7 +255,7 @@ def test_rows_match_the_two_pointer_reference_in_both_directions(tokenizers_pair
 def test_pair_arrays_match_the_reference(tokenizers_pair, direction):
     """The token-level term's rows: the pair positions and the teacher's top-K in the student's ids equal the
     two-pointer reference; pairs, non-pair chunks and unmapped slots all occur."""
-    from megatron_kd_plugin.cache.align import PAIR_IDS, PAIR_LOGPROBS
+    from megatron_kd_plugin.cache import PAIR_KEYS, pair_topk
 
     teacher, student = tokenizers_pair if direction == "bpe->unigram" else tokenizers_pair[::-1]
     stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
@@ -270,8 +270,9 @@ def test_pair_arrays_match_the_reference(tokenizers_pair, direction):
             row = cross_tokenizer_row(tokens, -np.ones(40), teacher, student, seq_length,
                                       topk=(topk_ids, topk_logprobs))
             ids, logprobs = reference_pairs(tokens.tolist(), topk_ids, topk_logprobs, teacher, student, seq_length)
-            assert row[PAIR_IDS].tolist() == ids.tolist()
-            np.testing.assert_allclose(row[PAIR_LOGPROBS].numpy(), logprobs, rtol=1e-6)
+            got_ids, got_logprobs = (t[0] for t in pair_topk(*(row[key][None] for key in PAIR_KEYS)))
+            assert got_ids.tolist() == ids.tolist()
+            np.testing.assert_allclose(got_logprobs.numpy(), logprobs, rtol=1e-6)
             pair_rows = np.isfinite(logprobs).any(-1)
             seen["pairs"] += int(pair_rows.sum())
             seen["other chunks"] += int(((row[CHUNK_IDS].numpy() >= 0) & ~pair_rows).sum())
@@ -610,10 +611,13 @@ def _bridge_tp1_body(folder):
     expected = reference_from_logits(logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(),
                                      batch["loss_mask"].t(), divergence="forward_kl", temperature=1.0,
                                      alpha=cfg.kd.alpha)
+    from megatron_kd_plugin.cache import PAIR_KEYS, pair_topk
+
+    pair_ids, pair_logprobs = pair_topk(*(batch[key] for key in PAIR_KEYS))                      # [b, s, K]
     expected_token = reference_from_logits(
         logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(), batch["loss_mask"].t(),
         divergence="forward_kl", temperature=1.0, alpha=cfg.kd.alpha, token_weight=0.5,
-        teacher_ids=batch["teacher_ids"].transpose(0, 1), teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1))
+        teacher_ids=pair_ids.transpose(0, 1), teacher_logprobs=pair_logprobs.transpose(0, 1))
     refusals = {}
     for name, overrides in (("plain store", bridge_overrides(plain, folder / "student.json")),
                             ("no tokenizer", bridge_overrides(store, folder / "missing")),
@@ -635,7 +639,7 @@ def _bridge_tp1_body(folder):
     return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
                 mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history,
                 token_loss=float(token_loss), expected_token=float(expected_token), token_report=sorted(token_report),
-                pairs=int(torch.isfinite(batch["teacher_logprobs"]).any(-1).sum()),
+                pairs=int(torch.isfinite(pair_logprobs).any(-1).sum()),
                 sidecars=[p.name for p in folder.glob("xtok.zarr.align-*.npz")])
 
 

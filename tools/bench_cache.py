@@ -499,7 +499,7 @@ def cross_tokenizer_runs(args) -> None:
                     rows = [data[i] for i in range(len(source))]
                     labels = sum(float(r["loss_mask"].sum()) for r in rows)
                     chunked = sum(int((r["chunk_ids"] >= 0).sum()) for r in rows)
-                    paired = sum(int(r["teacher_logprobs"].isfinite().any(-1).sum()) for r in rows)
+                    paired = sum(int((r["pair_positions"] >= 0).sum()) for r in rows)
                 print(f"| CrossTokenizerDataset, student {name}, {mode} | {labels / tokens:.3f} "
                       f"| {chunked / labels:.3f} | {paired / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
                       f"| {steady:,.0f} | {steady / base:.2f} |")

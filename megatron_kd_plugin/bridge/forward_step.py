@@ -19,8 +19,9 @@ Per microbatch:
      megatron-core's rerun state machine as Bridge's own loss does.
 
 Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``,
-and the teacher's top-K at the pair tokens in the student's ids: the last stage then takes the first two (and the
-pairs' ``teacher_ids`` / ``teacher_logprobs`` when ``kd.token_weight`` > 0), the loss is ``chunk_likelihood_loss``
+and the pair arrays (the teacher's top-K in the student's ids and each position's pair): the last stage then takes
+the first two (and, when ``kd.token_weight`` > 0, the pair arrays, expanded on its device by ``cache.pair_topk``
+into the pair tokens' ``teacher_ids`` / ``teacher_logprobs``), the loss is ``chunk_likelihood_loss``
 (the ALM chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature,
 ``kd.alpha``, ``kd.chunk_bytes``, and the token-level term with ``kd.token_weight``), and the report holds
 ``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap`` (mean |t_c - s_c| in nats per chunk), and
@@ -40,7 +41,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
-from megatron_kd_plugin.cache import CHUNK_IDS, CHUNK_LOGPROBS, SAMPLE_WEIGHTS
+from megatron_kd_plugin.cache import CHUNK_IDS, CHUNK_LOGPROBS, PAIR_KEYS, SAMPLE_WEIGHTS, pair_topk
 from megatron_kd_plugin.loss import KDLossResult, topk_kd_loss
 from megatron_kd_plugin.loss.cross_tokenizer import ChunkLossResult, chunk_likelihood_loss
 
@@ -48,7 +49,7 @@ FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask", "teacher_ids", "teacher_logprobs")
 CROSS_TOKENIZER_KEYS = ("labels", "loss_mask", CHUNK_IDS, CHUNK_LOGPROBS)
 """The last stage's keys for cross-tokenizer rows (a batch holding ``chunk_ids``); with the token-level term
-(``pairs``) also ``teacher_ids`` and ``teacher_logprobs``, the pairs' top-K in the student's ids."""
+(``pairs``) also ``PAIR_KEYS``."""
 OPTIONAL_LAST_STAGE_KEYS = (SAMPLE_WEIGHTS,)
 """Passed on when the batch has them (rows of a sampled store); None otherwise."""
 
@@ -61,13 +62,12 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp
 
     Middle pipeline stages consume nothing and get all None (their input arrives from the previous stage).
     """
-    keys = FIRST_STAGE_KEYS + LAST_STAGE_KEYS + OPTIONAL_LAST_STAGE_KEYS + (CHUNK_IDS, CHUNK_LOGPROBS)
+    keys = FIRST_STAGE_KEYS + LAST_STAGE_KEYS + OPTIONAL_LAST_STAGE_KEYS + (CHUNK_IDS, CHUNK_LOGPROBS) + PAIR_KEYS
     if not (is_first_stage or is_last_stage):
         return dict.fromkeys(keys)
     batch = next(data_iterator)
     cross = CHUNK_IDS in batch
-    last_keys = CROSS_TOKENIZER_KEYS + (("teacher_ids", "teacher_logprobs") if pairs else ()) if cross \
-        else LAST_STAGE_KEYS
+    last_keys = CROSS_TOKENIZER_KEYS + (PAIR_KEYS if pairs else ()) if cross else LAST_STAGE_KEYS
     wanted = (FIRST_STAGE_KEYS if is_first_stage else ()) + (last_keys if is_last_stage else ())
     if cross and cp_group is not None and dist.get_world_size(cp_group) > 1:
         raise ValueError("cross-tokenizer rows with context parallelism: a chunk would be split across CP ranks; "
@@ -189,8 +189,8 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     context = None
     cross = batch[CHUNK_IDS] is not None
     if cross:
-        pairs = {} if token_weight == 0 else dict(teacher_ids=batch["teacher_ids"].transpose(0, 1),       # [s, b, K]
-                                                  teacher_logprobs=batch["teacher_logprobs"].transpose(0, 1))
+        pairs = {} if token_weight == 0 else dict(zip(("teacher_ids", "teacher_logprobs"), (
+            t.transpose(0, 1) for t in pair_topk(*(batch[key] for key in PAIR_KEYS))), strict=True))   # [s, b, K]
         context = dict(labels=batch["labels"].t(), chunk_ids=batch[CHUNK_IDS].t(),                  # [s, b]
                        teacher_chunk_logprobs=batch[CHUNK_LOGPROBS].t(), loss_mask=batch["loss_mask"].t(),
                        divergence=options.divergence, jsd_beta=options.jsd_beta, temperature=options.temperature,

@@ -23,11 +23,13 @@ Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m =
     teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
 
 Pairs (the token-level term's positions): a used chunk k made of one teacher token i and one student token j of
-the same string (``identical_strings``: the student id of each teacher token's string) puts the teacher's top-K at
-cache position i - 1 (the distribution it predicted token i from, after the same bytes the student read before
-token j) on row position p = j - 1, its ids mapped to the student's ids of identical strings:
-    teacher_ids [S_s, K] int64: vocab_map[cached ids[i - 1]] at pair positions (0 elsewhere and where unmapped),
-    teacher_logprobs [S_s, K] float32: the cached log-probs there, -inf elsewhere and where unmapped.
+the same string (``identical_strings``: the student id of each teacher token's string) pairs row position p = j - 1
+with cache position i - 1 (the distribution the teacher predicted token i from, after the same bytes the student
+read before token j). The row holds the sample's top-K once, mapped to the student's ids of identical strings, and
+each position's pair (``pair_topk`` expands them to [S_s, K] on the model's device):
+    pair_positions [S_s] int64: i - 1 at a pair position p, -1 elsewhere,
+    pair_teacher_ids [S, K] int32: vocab_map[cached ids] (0 where unmapped),
+    pair_teacher_logprobs [S, K] float32: the cached log-probs, -inf where unmapped.
 
 Two steps: ``align_sample`` (the encode and the chunk indices k(b_j), k(e_i): no seq_length, no log-probs; what
 ``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
@@ -43,18 +45,19 @@ import torch
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
 CHUNK_IDS, CHUNK_LOGPROBS = "chunk_ids", "teacher_chunk_logprobs"
-PAIR_IDS, PAIR_LOGPROBS = "teacher_ids", "teacher_logprobs"
-"""A cross-tokenizer row's pair arrays: the teacher's top-K in the student's ids (the same-tokenizer rows' names)."""
+PAIR_POSITIONS, PAIR_IDS, PAIR_LOGPROBS = "pair_positions", "pair_teacher_ids", "pair_teacher_logprobs"
+PAIR_KEYS = (PAIR_POSITIONS, PAIR_IDS, PAIR_LOGPROBS)
+"""A cross-tokenizer row's pair arrays (module docstring)."""
 
 
 def identical_strings(teacher: TokenBytes, student: TokenBytes) -> np.ndarray:
-    """int64 [V_teacher]: the student id whose string equals teacher id v's (the lowest such id), -1 where none or
+    """int32 [V_teacher]: the student id whose string equals teacher id v's (the lowest such id), -1 where none or
     where v's string is empty (ids the tokenizer lacks)."""
     ids = {}
     for student_id, string in enumerate(student.strings):
         if string:
             ids.setdefault(string, student_id)
-    return np.fromiter((ids.get(string, -1) if string else -1 for string in teacher.strings), dtype=np.int64,
+    return np.fromiter((ids.get(string, -1) if string else -1 for string in teacher.strings), dtype=np.int32,
                        count=len(teacher.strings))
 
 
@@ -186,9 +189,6 @@ def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq
 def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
                  seq_length: int) -> dict[str, torch.Tensor]:
     """The pair arrays (module docstring) of the used chunks 1..``last``."""
-    k = topk.ids.shape[1]
-    pair_ids = np.zeros((seq_length, k), dtype=np.int64)
-    pair_logprobs = np.full((seq_length, k), -np.inf, dtype=np.float32)
     chunks = np.arange(1, max(last, 0) + 1)
     student_k, teacher_k = alignment.student_chunks, alignment.teacher_chunks
     first_student = np.searchsorted(student_k, chunks, side="left")                # j_k
@@ -198,11 +198,25 @@ def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
     student_ids = alignment.ids[np.minimum(first_student, len(alignment.ids) - 1)]
     teacher_ids = topk.tokens[np.minimum(first_teacher + 1, len(topk.tokens) - 1)]
     pairs = single & (topk.vocab_map[teacher_ids] == student_ids)
-    rows, positions = first_student[pairs] - 1, first_teacher[pairs]               # p = j - 1, t = i - 1
-    mapped = topk.vocab_map[topk.ids[positions]]                                  # [P, K]
-    pair_ids[rows] = np.maximum(mapped, 0)
-    pair_logprobs[rows] = np.where(mapped >= 0, topk.logprobs[positions], -np.inf)
-    return {PAIR_IDS: torch.from_numpy(pair_ids), PAIR_LOGPROBS: torch.from_numpy(pair_logprobs)}
+    positions = np.full(seq_length, -1, dtype=np.int64)
+    positions[first_student[pairs] - 1] = first_teacher[pairs]                     # p = j - 1 -> i - 1
+    mapped = topk.vocab_map.take(topk.ids)                                         # [S, K] int32
+    logprobs = topk.logprobs.astype(np.float32)                                    # a copy
+    np.copyto(logprobs, -np.inf, where=mapped < 0)
+    np.maximum(mapped, 0, out=mapped)
+    return {PAIR_POSITIONS: torch.from_numpy(positions), PAIR_IDS: torch.from_numpy(mapped),
+            PAIR_LOGPROBS: torch.from_numpy(logprobs)}
+
+
+def pair_topk(positions: torch.Tensor, ids: torch.Tensor,
+              logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each student position's pair, expanded: ``pair_positions`` [b, S_s], ``pair_teacher_ids`` /
+    ``pair_teacher_logprobs`` [b, S, K] -> (teacher_ids, teacher_logprobs) [b, S_s, K] in the student's ids, -inf
+    (and id 0) at the positions without a pair (what ``loss.cross_tokenizer`` takes, transposed to [s, b, K])."""
+    index = positions.clamp(min=0)[..., None].expand(-1, -1, ids.shape[-1])         # [b, S_s, K]
+    none = (positions < 0)[..., None]
+    return (ids.gather(1, index).masked_fill(none, 0),
+            logprobs.gather(1, index).masked_fill(none, -torch.inf))
 
 
 def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,

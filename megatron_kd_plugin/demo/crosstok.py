@@ -257,7 +257,7 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
 def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "unigram", reuse: bool = False) -> dict:
     """Every stage into ``out``; returns {"rows": [...], "table": markdown}."""
     from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
-    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache import PAIR_KEYS, TopKCacheReader, pair_topk
     from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
     out.mkdir(parents=True, exist_ok=True)
@@ -296,9 +296,10 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     labels = float(np.mean([float(r["loss_mask"].sum()) for r in b_rows]))
     chunked = float(np.mean([float((r["chunk_ids"] >= 0).sum() / max(float(r["loss_mask"].sum()), 1.0))
                              for r in b_rows]))
-    pair_rows = [torch.isfinite(r["teacher_logprobs"]).any(-1) for r in b_rows]
-    paired = float(np.mean([float(p.sum() / max(float(r["loss_mask"].sum()), 1.0)) for p, r in zip(pair_rows, b_rows)]))
-    mapped = float(torch.cat([r["teacher_logprobs"][p].exp().sum(-1) for p, r in zip(pair_rows, b_rows)]).mean())
+    pair_logprobs = [pair_topk(*(r[key][None] for key in PAIR_KEYS))[1][0] for r in b_rows]   # [S_s, K] each
+    pair_rows = [r[PAIR_KEYS[0]] >= 0 for r in b_rows]
+    paired = float(np.mean([float(p.sum()) / max(float(r["loss_mask"].sum()), 1.0) for p, r in zip(pair_rows, b_rows)]))
+    mapped = float(torch.cat([lp[p].exp().sum(-1) for p, lp in zip(pair_rows, pair_logprobs)]).mean())
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
