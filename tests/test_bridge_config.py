@@ -99,8 +99,12 @@ def test_a_default_student_that_is_an_unreachable_hub_id_is_one_line(capsys, mon
 
 
 def test_kd_config_mirrors_the_loss_options_field_for_field():
-    assert [f.name for f in dataclasses.fields(KDConfig)] == [f.name for f in dataclasses.fields(KDLossOptions)]
+    """Every loss option, in order, plus the cross-tokenizer loss's token_weight (validated by finalize)."""
+    assert [f.name for f in dataclasses.fields(KDConfig)] == \
+        [f.name for f in dataclasses.fields(KDLossOptions)] + ["token_weight"]
     assert dataclasses.asdict(KDConfig().options()) == dataclasses.asdict(KDLossOptions())
+    with pytest.raises(ValueError, match="kd.token_weight=1.5: expected 0 <= token_weight <= 1"):
+        KDConfig(token_weight=1.5).finalize()
 
 
 def test_overrides_reach_every_section_and_bad_ones_fail_before_training():

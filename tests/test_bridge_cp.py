@@ -95,7 +95,7 @@ def _cp_case(tp: int) -> dict:
     model = _FullForwardSlice(hidden_full, shard, ProcessGroupCollection.use_mpu_process_groups())
     step_batch = {key: value for key, value in full.items() if key != "teacher_sample_weights"}
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(
-        kd=types.SimpleNamespace(options=lambda: options),
+        kd=types.SimpleNamespace(options=lambda: options, token_weight=0.0),
         rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=True)))
     output, loss_func = kd_forward_step(state, iter([step_batch]), model)
     loss_sum, num_tokens, report = loss_func(output)

@@ -54,8 +54,9 @@ class KDConfig:
     """How far the teacher's top-K mass may exceed 1 before it is an error."""
     token_weight: float = 0.0
     """Cross-tokenizer students only (``dataset.student_tokenizer``): gamma in [0, 1], the token-level term's share of
-    the KD term, alpha * ((1 - gamma) * ALM chunk term + gamma * top-K KL at the pair tokens) + (1 - alpha) * CE
-    (``megatron_kd_plugin.loss.cross_tokenizer``); 0: the ALM chunk term alone."""
+    the teacher's part (``megatron_kd_plugin.loss.cross_tokenizer``): the top-K loss at the pair tokens with weight
+    gamma, the ALM chunk term with 1 - gamma, each token's CE with what alpha leaves of it; 0: the ALM chunk term
+    alone, 1: the token-level term alone (the cross-tokenizer recipes' choice)."""
 
     def options(self) -> KDLossOptions:
         """The frozen, validated options for ``topk_kd_loss`` (raises ValueError on a bad value)."""
@@ -103,7 +104,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
     KD step does not handle, are off. A cross-tokenizer student (``dataset.student_tokenizer``) needs a store with the
     cross-tokenizer arrays, its tokenizer inside model.vocab_size, and no context parallelism (the tail/mode check
-    does not apply; kd.token_weight > 0 needs a top-K store). kd.token_weight > 0 without one is refused.
+    does not apply; kd.token_weight > 0 needs a top-K store, and is refused for a same-tokenizer student).
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")

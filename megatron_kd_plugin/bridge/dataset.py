@@ -16,8 +16,8 @@ samplers continues on exactly the rows it would have seen, and any DP size / bat
 
 ``CrossTokenizerDataset`` (issue #18): a student with its own tokenizer; each cached sample gives one row, its text
 re-tokenised by the student and aligned into chunks (``megatron_kd_plugin.cache.align``), with ``chunk_ids`` and
-``teacher_chunk_logprobs``, and the teacher's top-K at the pair positions mapped to the student's ids
-(``teacher_ids``, ``teacher_logprobs``; not for a sampled store); each sample's alignment is computed once
+``teacher_chunk_logprobs``, and the pair arrays (the sample's top-K mapped to the student's ids and each position's
+pair, ``align.PAIR_KEYS``; not for a sampled store); each sample's alignment is computed once
 (``cache.student_alignments``), so a later read costs the sample's realised log-probs and top-K and the cut.
 """
 

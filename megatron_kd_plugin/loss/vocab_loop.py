@@ -10,10 +10,9 @@ The per-chunk vocab work between the collectives is a backend's (``chunk_backend
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
-
-import dataclasses
 
 import torch
 
