@@ -1,5 +1,6 @@
 """The fused loss on the Triton kernels (collected through tests/test_loss_triton.py): loss, dX and dW against the
-float64 dense reference for every tail x divergence, CE mix at tau != 1, both modes, masked rows, and at TP=2.
+float64 dense reference for every tail x divergence, CE mix at tau != 1, both modes, masked rows, and at TP=2; the
+cross-tokenizer loss's one pass (label log-probs and the token-level term) against its float64 reference.
 
 On CPU this module must run in a process that had TRITON_INTERPRET=1 before triton was first imported (see
 tests/test_kernels.py); the PyTorch chunk backend is made to raise, so a silent fallback fails the checks.
@@ -162,3 +163,30 @@ def test_triton_fused_ragged_rows():
                              ("renorm", "jsd")):
         options = dict(OPTIONS[1] if tail == "renorm" else OPTIONS[0], tail=tail, divergence=divergence)
         assert _errors(low, exact, options, **CHUNK) < 1e-5, options
+
+
+def test_triton_cross_tokenizer_loss_matches_float64():
+    """The cross-tokenizer loss (``chunk_likelihood_loss``: the per-token pass, CE and KD coefficients apart) on the
+    kernels, fp32 inputs, chunks of 4 tokens: loss and both gradients against tests/test_crosstok.py's float64
+    reference, ALM alone and with the token-level term."""
+    from megatron_kd_plugin.loss.cross_tokenizer import chunk_likelihood_loss
+    from tests.test_crosstok import CASES, loss_inputs, pair_inputs, reference_loss
+
+    inputs = loss_inputs()
+    ids, logprobs = (t.to(DEVICE) for t in pair_inputs())
+    for case in CASES:
+        hidden = inputs[0].float().to(DEVICE).requires_grad_()
+        weight = inputs[1].float().to(DEVICE).requires_grad_()
+        pairs = dict(teacher_ids=ids, teacher_logprobs=logprobs.float()) if "token_weight" in case else {}
+        result = chunk_likelihood_loss(hidden, weight, *(t.to(DEVICE) for t in inputs[2:5]),
+                                       loss_mask=inputs[5].to(DEVICE), chunk_bytes=4 * 30 * 4, kernels="triton",
+                                       **case, **pairs)
+        result.loss_sum.backward()
+        exact_hidden = hidden.detach().double().cpu().requires_grad_()      # the same rounded inputs
+        exact_weight = weight.detach().double().cpu().requires_grad_()
+        expected = reference_loss(exact_hidden, exact_weight, *inputs[2:], **case,
+                                  **({} if not pairs else dict(teacher_ids=ids.cpu(), teacher_logprobs=logprobs.cpu())))
+        expected.backward()
+        errors = [rel_err(result.loss_sum.cpu(), expected), rel_err(hidden.grad.cpu(), exact_hidden.grad),
+                  rel_err(weight.grad.cpu(), exact_weight.grad)]
+        assert max(errors) < 1e-5, (case, errors)

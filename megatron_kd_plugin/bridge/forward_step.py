@@ -23,7 +23,7 @@ and the pair arrays (the teacher's top-K in the student's ids and each position'
 the first two (and, when ``kd.token_weight`` > 0, the pair arrays, expanded on its device by ``cache.pair_topk``
 into the pair tokens' ``teacher_ids`` / ``teacher_logprobs``), the loss is ``chunk_likelihood_loss``
 (the ALM chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature,
-``kd.alpha``, ``kd.chunk_bytes``, and the token-level term with ``kd.token_weight``), and the report holds
+``kd.alpha``, ``kd.chunk_bytes``, ``kd.kernels``, and the token-level term with ``kd.token_weight``), and the report holds
 ``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap`` (mean |t_c - s_c| in nats per chunk), and
 with the token-level term ``token kd loss`` (per pair) and ``pairs`` (per token). Context parallelism would split
 chunks across ranks: refused.
@@ -194,7 +194,8 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
         context = dict(labels=batch["labels"].t(), chunk_ids=batch[CHUNK_IDS].t(),                  # [s, b]
                        teacher_chunk_logprobs=batch[CHUNK_LOGPROBS].t(), loss_mask=batch["loss_mask"].t(),
                        divergence=options.divergence, jsd_beta=options.jsd_beta, temperature=options.temperature,
-                       alpha=options.alpha, chunk_bytes=options.chunk_bytes, tp_group=pg_collection.tp,
+                       alpha=options.alpha, chunk_bytes=options.chunk_bytes, kernels=options.kernels,
+                       tp_group=pg_collection.tp,
                        sequence_parallel=config.sequence_parallel, token_weight=token_weight, **pairs)
     elif batch["teacher_ids"] is not None:
         context = dict(

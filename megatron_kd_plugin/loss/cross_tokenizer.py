@@ -42,7 +42,7 @@ from .divergence import bucket_divergence
 from .fused import _block_rows, _gemm_dtype, _grad_buffers, _grad_sink, _logits_source
 from .main_grad import main_grad_of
 from .options import KDLossOptions
-from .plan import IGNORE_INDEX, LossPlan, finish_grad, input_grads, prepare_batch
+from .plan import IGNORE_INDEX, LossPlan, finish_grad, input_grads, prepare_batch, use_triton_kernels
 from .tp import hidden_to_tp_region, resolve_shard
 from .validate import check_shapes, check_values
 from .vocab_loop import PerToken, backward_pass, forward_pass
@@ -125,7 +125,7 @@ def chunk_likelihood_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           teacher_ids: torch.Tensor | None = None, teacher_logprobs: torch.Tensor | None = None,
                           token_weight: float = 0.0, divergence: str = "forward_kl", jsd_beta: float = 0.5,
                           temperature: float = 1.0, alpha: float = 1.0, chunk_bytes: int | None = None,
-                          tp_group=None, sequence_parallel: bool = False,
+                          kernels: str = "auto", tp_group=None, sequence_parallel: bool = False,
                           accumulate_main_grad: bool = True) -> ChunkLossResult:
     """The ALM chunk-likelihood loss, and optionally the token-level term, (module docstring) of a student lm_head
     against a cross-tokenizer teacher.
@@ -138,8 +138,10 @@ def chunk_likelihood_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     unmapped slot, and every slot of a token that is not a pair). Every TP rank returns the same sums; hidden's
     gradient is all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings, dW goes to the
     weight's fp32 ``main_grad`` when it has one (``accumulate_main_grad``). ``divergence`` / ``jsd_beta`` /
-    ``temperature`` / ``alpha`` / ``chunk_bytes`` mean what they do in ``KDLossOptions``: on the two-bucket chunk
-    events, and (divergence, jsd_beta) on the token-level buckets, which are not tempered.
+    ``temperature`` / ``alpha`` / ``chunk_bytes`` / ``kernels`` mean what they do in ``KDLossOptions``: on the
+    two-bucket chunk events, and (divergence, jsd_beta) on the token-level buckets, which are not tempered; the
+    vocab work of the one pass runs on the Triton kernels where ``kernels`` resolves to them (``auto``: CUDA, or the
+    CPU interpreter; not float64).
     """
     KDLossOptions(divergence=divergence, jsd_beta=jsd_beta, temperature=temperature, alpha=alpha)   # validates
     if not 0.0 <= token_weight <= 1.0:
@@ -149,7 +151,7 @@ def chunk_likelihood_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         raise ValueError(f"token_weight={token_weight} needs teacher_ids and teacher_logprobs (the pairs' top-K in "
                          "the student's ids)")
     options = KDLossOptions(tail="ghost", divergence=divergence, jsd_beta=jsd_beta, alpha=1.0,
-                            chunk_bytes=chunk_bytes, kernels="torch")
+                            chunk_bytes=chunk_bytes, kernels=kernels)
     shard = resolve_shard(tp_group, weight.shape[0])
     seq = hidden.shape[0] * (shard.size if sequence_parallel else 1)
     tokens = (seq, hidden.shape[1])
@@ -175,7 +177,9 @@ def chunk_likelihood_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         slot_ids = torch.zeros(counted.shape[0], 0, dtype=torch.long, device=hidden.device)
         slot_logprobs = slot_ids.to(torch.float32)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=True,
+    triton = use_triton_kernels(kernels, hidden)
+    plan = LossPlan(options=options, shard=shard, dtype=dtype, with_labels=True, triton=triton,
+                    logits_dtype=torch.promote_types(hidden.dtype, weight.dtype) if triton else None,
                     accumulate_main_grad=accumulate_main_grad, grad_enabled=torch.is_grad_enabled())
     batch = prepare_batch(plan, slot_ids, slot_logprobs, torch.ones_like(counted, dtype=dtype), flat_labels)
     hidden2d = hidden_to_tp_region(hidden, shard, sequence_parallel).reshape(-1, hidden.shape[-1])   # [T, H]
