@@ -5,6 +5,7 @@ loss and its gradients at TP=1 and TP=2 (one spawn), and the one-line refusals."
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -420,12 +421,79 @@ def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path
             m = int(item["loss_mask"].sum())
             assert item["tokens"][:m].tolist() == ids[:m] and item["labels"][:m].tolist() == ids[1:m + 1]
     assert len(lazy) == n
+    assert all(isinstance(loaded.get(i).ids, np.memmap) for i in range(n))               # mapped, not copied
+    revived = pickle.loads(pickle.dumps(loaded))          # a spawned data-loader worker: the path travels, re-mapped
+    assert isinstance(revived.get(0).ids, np.memmap) and len(pickle.dumps(loaded)) < len(pickle.dumps(prepared))
+    assert all(revived.row(i, seq)[CHUNK_IDS].tolist() == loaded.row(i, seq)[CHUNK_IDS].tolist() for i in range(n))
     other_student = TokenBytes.from_tokenizer(train_unigram(250), identity="unigram250")
     assert not StudentAlignments(reader, other_student).load(sidecar)
     assert not StudentAlignments(TopKCacheReader(tmp_path / "b.zarr"), student).load(sidecar)
-    sidecar.write_bytes(sidecar.read_bytes()[:-40])
-    with pytest.raises(ValueError, match="damaged student-alignment sidecar"):
+    teacher_chunks = sidecar / "teacher_chunks.bin"
+    flipped = bytearray(teacher_chunks.read_bytes())
+    flipped[5] ^= 1
+    teacher_chunks.write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="damaged student-alignment sidecar .*teacher_chunks.bin: CRC32C mismatch"):
         StudentAlignments(reader, student).load(sidecar)
+    ids_file = sidecar / "ids.bin"
+    ids_file.write_bytes(ids_file.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="damaged student-alignment sidecar .*ids.bin: .* bytes, expected"):
+        StudentAlignments(reader, student).load(sidecar)
+
+
+def _load_or_write_body(store, student_file, marks, processes):
+    """One process of the concurrency test: map the sidecar through ``load_or_write``, noting whether it computed it;
+    returns its rows' chunk ids. Each process notes its arrival once it has found no sidecar, and a process that
+    computes one waits until all have arrived, so that without the lock every one of them would compute it."""
+    import os
+    import time
+
+    from megatron_kd_plugin.cache.student_alignments import StudentAlignments, load_or_write, sidecar_path
+    from tests.distributed import scaled
+
+    reader, student = TopKCacheReader(store), TokenBytes.load(student_file)
+    alignments = StudentAlignments(reader, student)
+    load, save = alignments.load, alignments.save
+
+    def noted_load(path, **kwargs):
+        found = load(path, **kwargs)
+        (marks / f"arrived-{os.getpid()}").touch()
+        return found
+
+    def noted_save(path, **kwargs):
+        (marks / f"computed-{os.getpid()}").touch()
+        deadline = time.monotonic() + scaled(300)
+        while len(list(marks.glob("arrived-*"))) < processes:
+            assert time.monotonic() < deadline, "the other processes never arrived"
+            time.sleep(0.05)
+        save(path, **kwargs)
+
+    alignments.load, alignments.save = noted_load, noted_save
+    load_or_write(alignments, sidecar_path(reader, student), progress=False)
+    return [alignments.row(i, 16)[CHUNK_IDS].tolist() for i in range(len(reader))]
+
+
+def test_load_or_write_computes_the_sidecar_once_for_concurrent_processes(tmp_path, tokenizers_pair):
+    """Three processes start together on a store without a sidecar: exactly one computes and writes it (the others
+    wait on its lock, then map it), and all read the same rows as a fresh in-memory computation."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    from megatron_kd_plugin.cache.student_alignments import StudentAlignments
+    from tests.distributed import scaled
+
+    teacher, student = tokenizers_pair
+    small_store(tmp_path / "a.zarr", teacher, n=8)
+    student.tokenizer.save(str(tmp_path / "student.json"))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rows = list(pool.map(_load_or_write_body, *zip(*[(tmp_path / "a.zarr", tmp_path / "student.json", marks, 3)] * 3),
+                             timeout=scaled(600)))
+    assert len(list(marks.glob("computed-*"))) == 1
+    reader = TopKCacheReader(tmp_path / "a.zarr")
+    fresh = StudentAlignments(reader, TokenBytes.load(tmp_path / "student.json"))
+    expected = [fresh.row(i, 16)[CHUNK_IDS].tolist() for i in range(len(reader))]
+    assert rows == [expected] * 3
 
 
 # ---- the loss -----------------------------------------------------------------------------------------------------
@@ -640,7 +708,7 @@ def _bridge_tp1_body(folder):
                 mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history,
                 token_loss=float(token_loss), expected_token=float(expected_token), token_report=sorted(token_report),
                 pairs=int(torch.isfinite(pair_logprobs).any(-1).sum()),
-                sidecars=[p.name for p in folder.glob("xtok.zarr.align-*.npz")])
+                sidecars=[p.name for p in folder.glob("xtok.zarr.align-*") if p.is_dir()])
 
 
 def _bridge_tp2_body(folder):

@@ -486,7 +486,7 @@ def cross_tokenizer_runs(args) -> None:
         print(f"| TopKCacheDataset (same tokenizer, K={args.k}) | 1 | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} "
               "| 1.00 |")
         for name, student in students.items():
-            sidecar = work / f"{name}.npz"
+            sidecar = work / f"{name}.align"
             make = lambda: CrossTokenizerDataset(reader, ids, student=student, seq_length=2 * args.seq_length,  # noqa
                                                  num_rows=len(source), seed=0)
             modes = {"aligned on first read": lambda data: None,

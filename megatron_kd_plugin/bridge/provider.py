@@ -63,10 +63,11 @@ class TopKCacheDatasetProvider(DatasetProvider):
 
     student_alignments: str = "sidecar"
     """Cross-tokenizer rows: where each cached sample's student tokenization and chunks come from
-    (``cache.student_alignments``). ``sidecar``: the file ``<store>.align-<tokenizer hash>.npz`` beside the store,
-    or, when absent or of another store/tokenizer, computed for the whole store (batch encode) before step one and
-    written there atomically (kept in memory only where the folder is read-only); ``memory``: computed on each
-    sample's first read and kept in memory."""
+    (``cache.student_alignments``). ``sidecar``: the folder ``<store>.align-<tokenizer hash>`` beside the store,
+    memory-mapped (one copy per machine in the page cache), or, when absent or of another store/tokenizer, computed
+    for the whole store (batch encode, a progress bar) before step one by the first process to take its lock, written
+    there atomically while the others wait, then mapped (where the folder is read-only: computed on first use and
+    kept in memory, with a warning); ``memory``: computed on each sample's first read and kept in memory."""
 
     def finalize(self) -> None:
         """Check the fields that need no store (Bridge calls this while validating the config)."""
@@ -109,17 +110,16 @@ class TopKCacheDatasetProvider(DatasetProvider):
 
     def alignments(self, reader: TopKCacheReader, student):
         """The ``StudentAlignments`` the splits share (``student_alignments``)."""
-        from megatron_kd_plugin.cache import StudentAlignments, sidecar_path
+        from megatron_kd_plugin.cache import StudentAlignments, load_or_write, sidecar_path
 
         alignments = StudentAlignments(reader, student)
         if self.student_alignments == "sidecar":
             path = sidecar_path(reader, student)
-            if not alignments.load(path):
-                try:
-                    alignments.save(path)
-                except OSError as error:                 # a read-only folder or file system
-                    warnings.warn(f"{path}: not written ({error}); the student alignments stay in memory",
-                                  stacklevel=2)
+            try:
+                load_or_write(alignments, path)
+            except OSError as error:                 # a read-only folder or file system
+                warnings.warn(f"{path}: not written ({error}); the student alignments are computed on first use and "
+                              "kept in memory", stacklevel=2)
         return alignments
 
     def build_datasets(self, context: DatasetBuildContext):

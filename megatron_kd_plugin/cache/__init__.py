@@ -16,8 +16,8 @@ The names below are the interface the layers above (``bridge``, the commands) re
 from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, PAIR_KEYS, pair_topk
 from megatron_kd_plugin.cache.format import SAMPLE_WEIGHTS, CacheSpec
 from megatron_kd_plugin.cache.reader import TopKCacheReader
-from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
+from megatron_kd_plugin.cache.student_alignments import StudentAlignments, load_or_write, sidecar_path
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
 __all__ = ["CHUNK_IDS", "CHUNK_LOGPROBS", "PAIR_KEYS", "SAMPLE_WEIGHTS", "CacheSpec", "StudentAlignments",
-           "TokenBytes", "TopKCacheReader", "pair_topk", "sidecar_path"]
+           "TokenBytes", "TopKCacheReader", "load_or_write", "pair_topk", "sidecar_path"]
