@@ -41,7 +41,7 @@ and the reader's teacher tokens/s (CPU seconds of this process, random order), f
 same-tokenizer dataset (``TopKCacheDataset``) next to the cross-tokenizer one (``CrossTokenizerDataset``: read,
 re-tokenise with a student tokenizer trained on the same text, align, cut, map the pair tokens' top-K; each sample's
 alignment is kept after its first read) with its alignments made three ways before or during the first pass: on each
-sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or loaded from the sidecar file; in
+sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or mapped from the sidecar folder; in
 one run, so the ratios are side by side.
 
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random

@@ -10,8 +10,8 @@ student's (and, through ``check_kd_config``, its vocabulary inside the student's
 With ``student_tokenizer`` (a tokenizer.json, or the student's HF tokenizer / checkpoint folder) of another identity
 than the store's tokenizer, every split is a ``CrossTokenizerDataset`` instead (issue #18): each cached sample is
 re-tokenised by the student and cut at a chunk boundary to ``seq_length``; the store must be a cross-tokenizer one
-(``cache --cross-tokenizer``). The alignments are computed once per store and student tokenizer and kept in a sidecar
-file beside the store (``student_alignments``).
+(``cache --cross-tokenizer``). The alignments are computed once per store and student tokenizer and kept in a
+memory-mapped sidecar folder beside the store (``student_alignments``).
 """
 
 from __future__ import annotations
