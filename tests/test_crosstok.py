@@ -487,8 +487,8 @@ def test_load_or_write_computes_the_sidecar_once_for_concurrent_processes(tmp_pa
     marks = tmp_path / "marks"
     marks.mkdir()
     with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(_load_or_write_body, *zip(*[(tmp_path / "a.zarr", tmp_path / "student.json", marks, 3)] * 3),
-                             timeout=scaled(600)))
+        arguments = [(tmp_path / "a.zarr", tmp_path / "student.json", marks, 3)] * 3
+        rows = list(pool.map(_load_or_write_body, *zip(*arguments), timeout=scaled(600)))
     assert len(list(marks.glob("computed-*"))) == 1
     reader = TopKCacheReader(tmp_path / "a.zarr")
     fresh = StudentAlignments(reader, TokenBytes.load(tmp_path / "student.json"))

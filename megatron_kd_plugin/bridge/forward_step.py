@@ -18,15 +18,15 @@ Per microbatch:
      ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there, through
      megatron-core's rerun state machine as Bridge's own loss does.
 
-Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``,
-and the pair arrays (the teacher's top-K in the student's ids and each position's pair): the last stage then takes
-the first two (and, when ``kd.token_weight`` > 0, the pair arrays, expanded on its device by ``cache.pair_topk``
-into the pair tokens' ``teacher_ids`` / ``teacher_logprobs``), the loss is ``chunk_likelihood_loss``
-(the ALM chunk term with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature,
-``kd.alpha``, ``kd.chunk_bytes``, ``kd.kernels``, and the token-level term with ``kd.token_weight``), and the report holds
-``chunk loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap`` (mean |t_c - s_c| in nats per chunk), and
-with the token-level term ``token kd loss`` (per pair) and ``pairs`` (per token). Context parallelism would split
-chunks across ranks: refused.
+Cross-tokenizer rows (``CrossTokenizerDataset``, issue #18) carry ``chunk_ids`` and ``teacher_chunk_logprobs``, and
+the pair arrays (the teacher's top-K in the student's ids and each position's pair): the last stage then takes the
+first two (and, when ``kd.token_weight`` > 0, the pair arrays, expanded on its device by ``cache.pair_topk`` into
+the pair tokens' ``teacher_ids`` / ``teacher_logprobs``), the loss is ``chunk_likelihood_loss`` (the ALM chunk term
+with ``kd.divergence``, ``kd.jsd_beta``, ``kd.temperature`` as the binarisation temperature, ``kd.alpha``,
+``kd.chunk_bytes``, ``kd.kernels``, and the token-level term with ``kd.token_weight``), and the report holds ``chunk
+loss``, ``lm loss``, ``chunks`` (per token) and ``chunk gap`` (mean |t_c - s_c| in nats per chunk), and with the
+token-level term ``token kd loss`` (per pair) and ``pairs`` (per token). Context parallelism would split chunks
+across ranks: refused.
 """
 
 from __future__ import annotations

@@ -166,14 +166,14 @@ class StudentAlignments:
                     offsets[sample + 1] = offsets[sample] + len(alignment.ids)
                     boundaries[sample] = alignment.num_boundaries
                     bar.update(seq)
-            arrays = {}
-            for name, shape in (("ids", [int(offsets[-1])]), ("student_chunks", [int(offsets[-1])]),
-                                ("offsets", [n + 1]), ("teacher_chunks", [n, seq]), ("num_boundaries", [n])):
-                if name in ("offsets", "num_boundaries"):
-                    values = offsets if name == "offsets" else boundaries
-                    (temporary / f"{name}.bin").write_bytes(values.tobytes())
-                    crcs[name] = _crc32c(values)
-                arrays[name] = {"dtype": np.dtype(SIDECAR_ARRAYS[name]).str, "shape": shape, "crc32c": crcs[name]}
+            for name, values in (("offsets", offsets), ("num_boundaries", boundaries)):
+                (temporary / f"{name}.bin").write_bytes(values.tobytes())
+                crcs[name] = _crc32c(values)
+            total = int(offsets[-1])
+            shapes = {"ids": [total], "student_chunks": [total], "offsets": [n + 1], "teacher_chunks": [n, seq],
+                      "num_boundaries": [n]}
+            arrays = {name: {"dtype": np.dtype(dtype).str, "shape": shapes[name], "crc32c": crcs[name]}
+                      for name, dtype in SIDECAR_ARRAYS.items()}
             (temporary / "key.json").write_text(json.dumps({"key": store_key(self.reader, self.student),
                                                             "arrays": arrays}, sort_keys=True, indent=1) + "\n")
             self._replace(temporary, path)
