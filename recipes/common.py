@@ -17,7 +17,8 @@ from megatron.bridge.training.config import (
     ValidationConfig,
 )
 
-from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
+from megatron_kd_plugin.bridge.config import KDConfigContainer
+from megatron_kd_plugin.loss import KDLossOptions
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.models.student import resolve_hf_folder, student_provider
 
@@ -50,7 +51,7 @@ def kd_common_config(model: GPTModelProvider, *, cache_path: str, run_name: str)
                                     ckpt_format="torch_dist"),
         rng=RNGConfig(seed=1234),
         mixed_precision="bf16_mixed",
-        kd=KDConfig(),
+        kd=KDLossOptions(),
     )
 
 

@@ -50,9 +50,9 @@ def _errors(low, exact, options, modes=("recompute", "grad_in_forward"), **extra
         got, dh, dw = run_loss(low, impl="fused", mode=mode, kernels="triton", **options, **extra)
         assert dh.dtype == low["hidden"].dtype and dw.dtype == low["weight"].dtype
         errors = [rel_err(got.loss_sum, ref.loss_sum), rel_err(dh, ref_dh), rel_err(dw, ref_dw),
-                  rel_err(got.kd_sum, ref.kd_sum), rel_err(got.student_topk_mass_sum, ref.student_topk_mass_sum)]
+                  rel_err(got.sum("kd loss"), ref.sum("kd loss")), rel_err(got.sum("student top-K mass"), ref.sum("student top-K mass"))]
         if options.get("with_labels"):
-            errors.append(rel_err(got.ce_sum, ref.ce_sum))
+            errors.append(rel_err(got.sum("lm loss"), ref.sum("lm loss")))
         worst = max(worst, *errors)
     return worst
 
@@ -143,7 +143,7 @@ def _tp2_body():
             got, dh, dw = run_loss(low, weight=low["weight"][rows], tp_group=group, impl="fused", mode=mode,
                                    kernels="triton", chunk_bytes=4 * 24 * 4, **options)
             worst = max(worst, rel_err(got.loss_sum, ref.loss_sum), rel_err(dh, ref_dh),
-                        rel_err(dw, ref_dw[rows]), rel_err(got.ce_sum, ref.ce_sum))
+                        rel_err(dw, ref_dw[rows]), rel_err(got.sum("lm loss"), ref.sum("lm loss")))
     return worst
 
 
@@ -166,26 +166,27 @@ def test_triton_fused_ragged_rows():
 
 
 def test_triton_cross_tokenizer_loss_matches_float64():
-    """The cross-tokenizer loss (``chunk_likelihood_loss``: the per-token pass, CE and KD coefficients apart) on the
+    """The cross-tokenizer loss (``cross_tokenizer_loss``: the per-token pass, CE and KD coefficients apart) on the
     kernels, fp32 inputs, chunks of 4 tokens: loss and both gradients against tests/test_crosstok.py's float64
     reference, ALM alone and with the token-level term."""
-    from megatron_kd_plugin.loss.cross_tokenizer import chunk_likelihood_loss
-    from tests.test_crosstok import CASES, loss_inputs, pair_inputs, reference_loss
+    from megatron_kd_plugin.loss import cross_tokenizer_loss, tensor_map
+    from tests.test_crosstok import CASES, cross_teacher, loss_inputs, pair_inputs, reference_loss
 
     inputs = loss_inputs()
     ids, logprobs = (t.to(DEVICE) for t in pair_inputs())
     for case in CASES:
         hidden = inputs[0].float().to(DEVICE).requires_grad_()
         weight = inputs[1].float().to(DEVICE).requires_grad_()
-        pairs = dict(teacher_ids=ids, teacher_logprobs=logprobs.float()) if "token_weight" in case else {}
-        result = chunk_likelihood_loss(hidden, weight, *(t.to(DEVICE) for t in inputs[2:5]),
-                                       loss_mask=inputs[5].to(DEVICE), chunk_bytes=4 * 30 * 4, kernels="triton",
-                                       **case, **pairs)
+        pairs = (ids, logprobs.float()) if "token_weight" in case else None
+        teacher = tensor_map(lambda t: t.to(DEVICE), cross_teacher(inputs[3], inputs[4], pairs))
+        result = cross_tokenizer_loss(hidden, weight, teacher, labels=inputs[2].to(DEVICE),
+                                      loss_mask=inputs[5].to(DEVICE), chunk_bytes=4 * 30 * 4, kernels="triton",
+                                      **case)
         result.loss_sum.backward()
         exact_hidden = hidden.detach().double().cpu().requires_grad_()      # the same rounded inputs
         exact_weight = weight.detach().double().cpu().requires_grad_()
-        expected = reference_loss(exact_hidden, exact_weight, *inputs[2:], **case,
-                                  **({} if not pairs else dict(teacher_ids=ids.cpu(), teacher_logprobs=logprobs.cpu())))
+        reference_pairs = {} if pairs is None else dict(teacher_ids=ids.cpu(), teacher_logprobs=logprobs.cpu())
+        expected = reference_loss(exact_hidden, exact_weight, *inputs[2:], **case, **reference_pairs)
         expected.backward()
         errors = [rel_err(result.loss_sum.cpu(), expected), rel_err(hidden.grad.cpu(), exact_hidden.grad),
                   rel_err(weight.grad.cpu(), exact_weight.grad)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import pathlib
@@ -15,7 +14,7 @@ import pytest
 import torch
 from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
-from megatron_kd_plugin.bridge.config import KDConfig, KDConfigContainer
+from megatron_kd_plugin.bridge.config import KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss.options import KDLossOptions
 from megatron_kd_plugin.recipes import RECIPES
@@ -40,8 +39,9 @@ def test_every_recipe_is_a_kd_config_with_a_conventional_name(tiny_hf_qwen3):
         cfg = recipe_config(name, tiny_hf_qwen3)
         assert isinstance(cfg, KDConfigContainer), name
         assert isinstance(cfg.dataset, TopKCacheDatasetProvider), name
+        assert type(cfg.kd) is KDLossOptions, name
         assert cfg.dataset.seq_length == cfg.model.seq_length, name
-        cfg.kd.finalize()
+        cfg.kd.check()
 
 
 def test_real_model_recipes_are_32k_bf16_hf_students_and_the_multi_gpu_one_uses_tp_pp_dp(tiny_hf_qwen3):
@@ -98,13 +98,13 @@ def test_a_default_student_that_is_an_unreachable_hub_id_is_one_line(capsys, mon
     assert "'someone/pruned-model' is not a local folder" in line and "--hf-path takes a local folder" in line
 
 
-def test_kd_config_mirrors_the_loss_options_field_for_field():
-    """Every loss option, in order, plus the cross-tokenizer loss's token_weight (validated by finalize)."""
-    assert [f.name for f in dataclasses.fields(KDConfig)] == \
-        [f.name for f in dataclasses.fields(KDLossOptions)] + ["token_weight"]
-    assert dataclasses.asdict(KDConfig().options()) == dataclasses.asdict(KDLossOptions())
-    with pytest.raises(ValueError, match="kd.token_weight=1.5: expected 0 <= token_weight <= 1"):
-        KDConfig(token_weight=1.5).finalize()
+def test_the_kd_section_is_the_loss_options_checked_again_after_overrides():
+    """cfg.kd is the loss's own KDLossOptions (one declaration of every option); Bridge's overrides set it field by
+    field, and ``check()`` (which check_kd_config runs before step one) refuses a bad value set that way."""
+    cfg = build_config("tiny_gpt_kd_cpu_fp32_config", ["kd.token_weight=1.5"])
+    assert type(cfg.kd) is KDLossOptions and cfg.kd.token_weight == 1.5
+    with pytest.raises(ValueError, match="token_weight=1.5: expected 0 <= token_weight <= 1"):
+        cfg.kd.check()
 
 
 def test_overrides_reach_every_section_and_bad_ones_fail_before_training():
@@ -113,14 +113,14 @@ def test_overrides_reach_every_section_and_bad_ones_fail_before_training():
                         "model.hidden_size=32"])
     assert (cfg.kd.temperature, cfg.kd.tail, cfg.train.train_iters) == (2.0, "renorm", 7)
     assert (cfg.dataset.seq_length, cfg.model.hidden_size) == (16, 32)
-    assert cfg.kd.options().temperature == 2.0
+    assert isinstance(cfg.kd, KDLossOptions)
     with pytest.raises(OverridesError, match="nonexistent"):
         build_config("tiny_gpt_kd_cpu_fp32_config", ["train.nonexistent=1"])
     with pytest.raises(ValueError, match="unknown recipe 'nope'"):
         build_config("nope", [])
     bad = build_config("tiny_gpt_kd_cpu_fp32_config", ["kd.tail=bogus"])
     with pytest.raises(ValueError, match="bogus"):
-        bad.kd.finalize()
+        bad.kd.check()
 
 
 def test_yaml_config_naming_plugin_targets_fails_before_register_and_loads_after(tmp_path):

@@ -10,7 +10,6 @@ is the unsplit dW, and every per-token tensor (teacher tensors included) is slic
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -22,21 +21,31 @@ S, B, H, V, K = 16, 2, 12, 24, 5
 CP = 2
 
 
-def _full_batch(seq_length: int) -> dict[str, torch.Tensor]:
-    """A batch-first KD batch whose every per-token value encodes its position j (so slices reveal positions)."""
+def _full_batch(seq_length: int, *, sampled: bool = False):
+    """A batch-first ``KDRow`` whose every per-token value encodes its position j (so slices reveal positions); a
+    ``SampledTeacher`` (its weights sliced too) or a ``TopKTeacher``."""
+    from megatron_kd_plugin.cache import KDRow
+    from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher
+
     gen = torch.Generator().manual_seed(0)
     j = torch.arange(seq_length)
     logprobs = (torch.randn(B, seq_length, K, generator=gen, dtype=torch.float64) * 2).log_softmax(-1) - 0.1
-    return {
-        "tokens": (j * 7 % V).expand(B, seq_length).clone(),
-        "position_ids": j.expand(B, seq_length).clone(),
-        "labels": torch.randint(0, V, (B, seq_length), generator=gen),
-        "loss_mask": (torch.rand(B, seq_length, generator=gen) > 0.2).to(torch.float64),
-        "teacher_ids": torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(B * seq_length)]).view(
-            B, seq_length, K),
-        "teacher_logprobs": logprobs,
-        "teacher_sample_weights": j.view(1, -1, 1).expand(B, seq_length, K).to(torch.float64) + 0.5,
-    }
+    labels = torch.randint(0, V, (B, seq_length), generator=gen)
+    loss_mask = (torch.rand(B, seq_length, generator=gen) > 0.2).to(torch.float64)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(B * seq_length)]).view(B, seq_length, K)
+    weights = j.view(1, -1, 1).expand(B, seq_length, K).to(torch.float64) + 0.5
+    teacher = SampledTeacher(ids, logprobs, weights) if sampled else TopKTeacher(ids, logprobs)
+    return KDRow((j * 7 % V).expand(B, seq_length).clone(), labels, loss_mask, j.expand(B, seq_length).clone(),
+                 teacher)
+
+
+def _tensors(row) -> list[torch.Tensor]:
+    """Every tensor of a ``KDRow``, in field order."""
+    from megatron_kd_plugin.loss import tensor_map
+
+    found = []
+    tensor_map(lambda t: found.append(t) or t, row)
+    return found
 
 
 def _expected_rows(cp_rank: int, cp_size: int, seq_length: int) -> torch.Tensor:
@@ -72,7 +81,7 @@ def _cp_case(tp: int) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_kd_plugin.bridge.forward_step import get_kd_batch, kd_forward_step, kd_loss_func
-    from megatron_kd_plugin.loss import KDLossOptions, topk_kd_loss
+    from megatron_kd_plugin.loss import KDLossOptions, tensor_map, topk_kd_loss
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=CP)
@@ -82,9 +91,11 @@ def _cp_case(tp: int) -> dict:
     out = {}
 
     # 1. every per-token tensor is sliced like the tokens: the rows this rank's position ids name
-    full = _full_batch(S)
+    full = _full_batch(S, sampled=True)
     local = get_kd_batch(iter([full]), is_first_stage=True, is_last_stage=True, cp_group=cp_group)
-    out["sliced"] = {key: torch.equal(local[key], full[key][:, rows]) for key in full}
+    out["sliced"] = {index: torch.equal(mine, whole[:, rows])
+                     for index, (mine, whole) in enumerate(zip(_tensors(local), _tensors(full), strict=True))}
+    out["sliced"]["count"] = len(out["sliced"]) == 7                    # 4 row tensors, 3 of the teacher's
 
     # 2. the KD step on the local slice vs the unsplit loss on the full sequence
     options = KDLossOptions(alpha=0.5, temperature=2.0, chunk_bytes=4 * V * 8 * 3)   # a few chunks per rank
@@ -93,19 +104,17 @@ def _cp_case(tp: int) -> dict:
     weight_full = torch.randn(V, H, generator=gen, dtype=torch.float64) / H ** 0.5
     shard = weight_full.chunk(tp)[tp_rank]
     model = _FullForwardSlice(hidden_full, shard, ProcessGroupCollection.use_mpu_process_groups())
-    step_batch = {key: value for key, value in full.items() if key != "teacher_sample_weights"}
+    full = _full_batch(S)
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(
-        kd=types.SimpleNamespace(options=lambda: options, token_weight=0.0),
-        rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=True)))
-    output, loss_func = kd_forward_step(state, iter([step_batch]), model)
+        kd=options, rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=True)))
+    output, loss_func = kd_forward_step(state, iter([full]), model)
     loss_sum, num_tokens, report = loss_func(output)
     loss_sum.backward()
 
     ref_hidden, ref_weight = hidden_full.clone().requires_grad_(), shard.clone().requires_grad_()
-    ref = topk_kd_loss(ref_hidden, ref_weight, full["teacher_ids"].transpose(0, 1),
-                       full["teacher_logprobs"].transpose(0, 1), loss_mask=full["loss_mask"].t(),
-                       labels=full["labels"].t(), tp_group=tp_group, **dataclasses.asdict(options))
-    ref_sum, ref_tokens, ref_report = kd_loss_func(options.alpha, ref)
+    ref = topk_kd_loss(ref_hidden, ref_weight, tensor_map(lambda t: t.transpose(0, 1), full.teacher),
+                       loss_mask=full.loss_mask.t(), labels=full.labels.t(), tp_group=tp_group, options=options)
+    ref_sum, ref_tokens, ref_report = kd_loss_func(ref)
     ref_sum.backward()
 
     def summed_over_cp(t: torch.Tensor) -> torch.Tensor:

@@ -59,12 +59,12 @@ def test_rows_are_windows_of_the_cache_with_shifted_labels(store):
         seen.add((sample, window))
         item, cached = train[row], reader[sample]
         begin = window * 8
-        assert torch.equal(item["tokens"], cached["tokens"][begin:begin + 8].long())
-        assert torch.equal(item["labels"], cached["tokens"][begin + 1:begin + 9].long())
-        assert torch.equal(item["teacher_ids"].long(), cached["teacher_ids"][begin:begin + 8].long())
-        torch.testing.assert_close(item["teacher_logprobs"], cached["teacher_logprobs"][begin:begin + 8].float())
-        assert torch.equal(item["position_ids"], torch.arange(8)) and bool((item["loss_mask"] == 1).all())
-        assert item["teacher_ids"].shape == item["teacher_logprobs"].shape == (8, K)
+        assert torch.equal(item.tokens, cached["tokens"][begin:begin + 8].long())
+        assert torch.equal(item.labels, cached["tokens"][begin + 1:begin + 9].long())
+        assert torch.equal(item.teacher.ids.long(), cached["teacher_ids"][begin:begin + 8].long())
+        torch.testing.assert_close(item.teacher.logprobs, cached["teacher_logprobs"][begin:begin + 8].float())
+        assert torch.equal(item.position_ids, torch.arange(8)) and bool((item.loss_mask == 1).all())
+        assert item.teacher.ids.shape == item.teacher.logprobs.shape == (8, K)
     assert seen == {(s, w) for s in range(SAMPLES) for w in range(2)}   # one epoch covers every window once
 
 
@@ -90,7 +90,7 @@ def test_resume_by_consumed_samples_continues_on_the_same_rows(store, dp_size, m
         train = datasets(kd_config(store), train=48)[0]   # a fresh dataset, as a restarted job builds it
         loader = build_pretraining_data_loader(train, consumed, "single", micro_batch, 0, True, pin_memory=False,
                                                data_parallel_rank=rank, data_parallel_size=dp_size)
-        return [batch["tokens"] for batch in loader]
+        return [batch.tokens for batch in loader]
 
     for rank in range(dp_size):
         full = rows(0, rank)
@@ -136,11 +136,11 @@ def test_kd_forward_step_refuses_mtp_students():
     would build [s, b, V] logits from the labels the step passes)."""
     import types
 
-    from megatron_kd_plugin.bridge.config import KDConfig
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from megatron_kd_plugin.loss import KDLossOptions
 
     model = torch.nn.Module()
     model.config = types.SimpleNamespace(mtp_num_layers=2, sequence_parallel=False)
-    state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDConfig()))
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDLossOptions()))
     with pytest.raises(ValueError, match="model.mtp_num_layers=2"):
         kd_forward_step(state, iter(()), model)

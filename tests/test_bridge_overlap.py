@@ -16,14 +16,17 @@ import torch
 VOCAB, SEQ, BATCH, K, ITERATIONS = 64, 16, 2, 4, 4
 
 
-def _batch(generator) -> dict[str, torch.Tensor]:
+def _batch(generator):
+    """A batch-first ``KDRow`` of random tokens and a random top-K teacher."""
+    from megatron_kd_plugin.cache import KDRow
+    from megatron_kd_plugin.loss import TopKTeacher
+
     logprobs = torch.log_softmax(torch.randn(BATCH, SEQ, K, generator=generator), -1) - 0.5   # top-K mass < 1
     ids = torch.stack([torch.randperm(VOCAB, generator=generator)[:K] for _ in range(BATCH * SEQ)])
-    return {"tokens": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
-            "labels": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            "loss_mask": torch.ones(BATCH, SEQ), "teacher_ids": ids.view(BATCH, SEQ, K).int(),
-            "teacher_logprobs": logprobs}
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return KDRow(tokens, labels, torch.ones(BATCH, SEQ), torch.arange(SEQ).expand(BATCH, SEQ),
+                 TopKTeacher(ids.view(BATCH, SEQ, K).int(), logprobs))
 
 
 def _train(overlap_param_gather: bool) -> dict:
@@ -35,7 +38,7 @@ def _train(overlap_param_gather: bool) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd_plugin.bridge.config import KDConfig
+    from megatron_kd_plugin.loss import KDLossOptions
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
     from megatron_kd_plugin.cpu_compat import megatron_optimizer_on_cpu, seed_model_parallel
 
@@ -54,7 +57,7 @@ def _train(overlap_param_gather: bool) -> dict:
         ddp = DistributedDataParallel(config, ddp_config, model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0,
                                                            use_distributed_optimizer=True), [ddp])
-    state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDConfig(),
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDLossOptions(),
                                                             rerun_state_machine=RerunStateMachineConfig()))
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     if overlap_param_gather:   # Bridge: hooks off for the first iteration, on once a step has run

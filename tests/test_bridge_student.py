@@ -196,13 +196,13 @@ def test_nan_or_inf_loss_stops_the_step_and_recipes_check_gradients(tiny_hf_qwen
 
     def result(value):
         one = torch.tensor(1.0)
-        return KDLossResult(torch.tensor(value), torch.tensor(3), one, one, one, one)
+        return KDLossResult(torch.tensor(value), torch.tensor(3), {"kd loss": torch.stack([one, one])})
 
     for bad, name in ((float("nan"), "NaN"), (float("inf"), "Inf")):
         with pytest.raises(RuntimeError, match=f"found {name} in local forward KD loss"):
-            kd_loss_func(1.0, result(bad))
-        assert not math.isfinite(kd_loss_func(1.0, result(bad), check_for_nan_in_loss=False)[0])
-    assert float(kd_loss_func(1.0, result(2.0))[0]) == 2.0
+            kd_loss_func(result(bad))
+        assert not math.isfinite(kd_loss_func(result(bad), check_for_nan_in_loss=False)[0])
+    assert float(kd_loss_func(result(2.0))[0]) == 2.0
     for recipe, hf_path in (("tiny_gpt_kd_cpu_fp32_config", None), (RECIPE, str(tiny_hf_qwen3))):
         cfg = build_config(recipe, [], hf_path=hf_path)
         assert cfg.ddp.check_for_nan_in_grad and cfg.rerun_state_machine.check_for_nan_in_loss, recipe

@@ -87,22 +87,22 @@ def train(store, *extra: str):
 def manual_ghost_kl(model, batch) -> tuple[float, int]:
     """Forward KL with the ghost tail, summed over tokens, in float64 from GPTModel's own [b, s, V] logits."""
     with torch.no_grad():
-        logits = model(batch["tokens"], batch["position_ids"], causal_mask(batch["tokens"].shape[1])).double()     # [b, s, V]
+        logits = model(batch.tokens, batch.position_ids, causal_mask(batch.tokens.shape[1])).double()     # [b, s, V]
     log_q = torch.log_softmax(logits, dim=-1)
-    ids, log_p = batch["teacher_ids"].long(), batch["teacher_logprobs"].double()   # [b, s, K]
+    ids, log_p = batch.teacher.ids.long(), batch.teacher.logprobs.double()   # [b, s, K]
     p = log_p.exp()
     m, s = p.sum(-1), log_q.gather(-1, ids).exp().sum(-1)
     kl = (p * (log_p - log_q.gather(-1, ids))).sum(-1) + (1 - m) * (torch.log1p(-m) - torch.log1p(-s))
-    return float((kl * batch["loss_mask"]).sum()), int(batch["loss_mask"].sum())
+    return float((kl * batch.loss_mask).sum()), int(batch.loss_mask.sum())
 
 
 def manual_sampled_kl(model, batch) -> float:
     """The sampled tail's f = Σ_k w_k (l_k − log Q_{I_k}) summed over tokens, float64 from the model's logits."""
     with torch.no_grad():
-        logits = model(batch["tokens"], batch["position_ids"], causal_mask(batch["tokens"].shape[1])).double()
-    log_q = torch.log_softmax(logits, dim=-1).gather(-1, batch["teacher_ids"].long())            # [b, s, N]
-    weights = batch["teacher_sample_weights"].double()
-    return float(((weights * (batch["teacher_logprobs"].double() - log_q)).sum(-1) * batch["loss_mask"]).sum())
+        logits = model(batch.tokens, batch.position_ids, causal_mask(batch.tokens.shape[1])).double()
+    log_q = torch.log_softmax(logits, dim=-1).gather(-1, batch.teacher.ids.long())            # [b, s, N]
+    weights = batch.teacher.weights.double()
+    return float(((weights * (batch.teacher.logprobs.double() - log_q)).sum(-1) * batch.loss_mask).sum())
 
 
 def sampled_store_step(sampled_store, topk_store, reference_model) -> dict:
@@ -136,16 +136,16 @@ def sampled_store_step(sampled_store, topk_store, reference_model) -> dict:
         except ValueError as exc:
             refusals.append(str(exc))
     return {"fused": float(loss_sum), "manual": manual_sampled_kl(reference_model, batch), "tokens": int(num_tokens),
-            "weights_equal": torch.equal(batch["teacher_sample_weights"][0], row["teacher_sample_weights"]),
-            "weights_shape": tuple(batch["teacher_sample_weights"].shape), "history": history,
+            "weights_equal": torch.equal(batch.teacher.weights[0], row["teacher_draw_weights"]),
+            "weights_shape": tuple(batch.teacher.weights.shape), "history": history,
             "refusals": refusals}
 
 
-def fixed_batch(cfg, rows: int = 2) -> dict[str, torch.Tensor]:
+def fixed_batch(cfg, rows: int = 2):
     from megatron.bridge.data.base import DatasetBuildContext
 
     dataset = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=rows, valid_samples=0, test_samples=0))[0]
-    return {key: torch.stack([dataset[i][key] for i in range(rows)]) for key in dataset[0]}
+    return torch.utils.data.default_collate([dataset[i] for i in range(rows)])   # a batch-first KDRow
 
 
 def forward_step_loss(cfg, model, batch):

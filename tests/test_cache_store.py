@@ -495,7 +495,7 @@ def test_cli_teacher_loader_hook_and_its_vocab_requirement(tmp_path):
 
 @pytest.mark.parametrize("t", [1.0, 1.5])
 def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t):
-    from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+    from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 
     table, logits_fn = table_teacher()
     source, n = windows(), 9
@@ -508,17 +508,17 @@ def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t)
     for i in range(N):
         tokens = torch.from_numpy(source.windows(i, i + 1)[0])
         logits = table[tokens[:-1]].unsqueeze(1)                                          # [S, 1, V]
-        draw = vocab_parallel_sample(logits, sample_uniforms(4, i, 1, S, n), temperature=0.8,
+        draw = vocab_parallel_draws(logits, draw_uniforms(4, i, 1, S, n), temperature=0.8,
                                      proposal_temperature=t)
         row = reader[i]
         assert torch.equal(row["teacher_ids"], draw.ids[:, 0])
         l = torch.log_softmax(table.double()[tokens[:-1]] / 0.8, dim=-1)                  # [S, V]
         torch.testing.assert_close(row["teacher_logprobs"].double(), l.gather(-1, row["teacher_ids"]), atol=1e-5,
                                    rtol=0)
-        expected = sample_weights(l.gather(-1, row["teacher_ids"]), torch.logsumexp(l / t, dim=-1), t)
-        torch.testing.assert_close(row[fmt.SAMPLE_WEIGHTS], expected.float(), atol=0, rtol=1e-5)
-        assert row[fmt.SAMPLE_WEIGHTS].shape == (S, n) and row[fmt.SAMPLE_WEIGHTS].dtype == torch.float32
-    assert "teacher_sample_weights" in reader.window(3, S // 2)
+        expected = draw_weights(l.gather(-1, row["teacher_ids"]), torch.logsumexp(l / t, dim=-1), t)
+        torch.testing.assert_close(row[fmt.DRAW_WEIGHTS], expected.float(), atol=0, rtol=1e-5)
+        assert row[fmt.DRAW_WEIGHTS].shape == (S, n) and row[fmt.DRAW_WEIGHTS].dtype == torch.float32
+    assert "teacher_draw_weights" in reader.window(3, S // 2)
     with pytest.raises(ValueError, match="mode='topk' requested"):
         reader.validate(mode="topk")
 
@@ -551,7 +551,7 @@ def test_stores_written_before_the_sampled_mode_stay_readable(tmp_path):
         del attrs[key]
     group.attrs.put(attrs)
     reader = TopKCacheReader(tmp_path / "c")
-    assert reader.spec.mode == "topk" and fmt.SAMPLE_WEIGHTS not in reader[0]
+    assert reader.spec.mode == "topk" and fmt.DRAW_WEIGHTS not in reader[0]
 
 
 def _swap(first, second):

@@ -249,7 +249,7 @@ def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
 
 def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_the_mode(teacher_and_data, capsys):
     from megatron_kd_plugin.commands.inspect import main as inspect_main
-    from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+    from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 
     work, tokens, logprobs = teacher_and_data
     output, n, t = work / "sampled_tp2.zarr", 16, 1.5
@@ -266,14 +266,14 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
     mismatched = 0
     for i in range(6):
         sample, ref = reader[i], logprobs[i]                                           # ref: float64 [S, V]
-        draw = vocab_parallel_sample(ref.unsqueeze(1), sample_uniforms(3, i, 1, S, n), proposal_temperature=t)
+        draw = vocab_parallel_draws(ref.unsqueeze(1), draw_uniforms(3, i, 1, S, n), proposal_temperature=t)
         mismatched += int((sample["teacher_ids"] != draw.ids[:, 0]).sum())
         torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, sample["teacher_ids"]),
                                    atol=2e-5, rtol=0)
-        expected = sample_weights(ref.gather(-1, sample["teacher_ids"]), torch.logsumexp(ref / t, dim=-1), t)
-        torch.testing.assert_close(sample["teacher_sample_weights"], expected.float(), atol=1e-6, rtol=1e-4)
+        expected = draw_weights(ref.gather(-1, sample["teacher_ids"]), torch.logsumexp(ref / t, dim=-1), t)
+        torch.testing.assert_close(sample["teacher_draw_weights"], expected.float(), atol=1e-6, rtol=1e-4)
     # float32 TP=2 logits vs the float64 TP=1 reference: a draw may flip only when its uniform falls within
-    # ~1e-6 of a CDF step (the TP=2 == TP=1 identity on equal logits is tests/test_cache_sample.py's)
+    # ~1e-6 of a CDF step (the TP=2 == TP=1 identity on equal logits is tests/test_cache_draws.py's)
     assert mismatched <= 0.01 * 6 * S * n, mismatched
     assert inspect_main([str(output), "--samples", "6"]) == 0
     assert "mode: sampled, N=16 draws per token, proposal temperature 1.5" in capsys.readouterr().out

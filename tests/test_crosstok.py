@@ -1,5 +1,5 @@
 """Cross-tokenizer distillation (issue #18) against float64 references written here: the store's new arrays, the
-chunk alignment of two real tokenizers trained in-test (byte-level BPE and Unigram, both directions), the ALM chunk
+segment alignment of two real tokenizers trained in-test (byte-level BPE and Unigram, both directions), the ALM segment
 loss and its gradients at TP=1 and TP=2 (one spawn), and the one-line refusals."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS, cross_tokenizer_row, student_ends, valid_text
+from megatron_kd_plugin.cache.align import cross_tokenizer_row, student_ends, valid_text
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
 from megatron_kd_plugin.cache.writer import write_cache
-from megatron_kd_plugin.loss.cross_tokenizer import chunk_likelihood_loss
+from megatron_kd_plugin.loss import CrossTokenizerTeacher, cross_tokenizer_loss, tensor_map
+from megatron_kd_plugin.loss.cross_tokenizer_loss import pair_teacher
 from tests.distributed import run_on_ranks
 
 TEXTS = [
@@ -69,9 +70,9 @@ def unigram_eos_student():
 
 # ---- float64 references -------------------------------------------------------------------------------------------
 
-def reference_chunks(teacher_lengths: list[int], student_lengths: list[int]) -> list[tuple[list[int], list[int]]]:
-    """Two pointers over the byte lengths: a chunk closes whenever both sides have consumed the same bytes."""
-    chunks, i, j, tb, sb = [], 0, 0, 0, 0
+def reference_segments(teacher_lengths: list[int], student_lengths: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Two pointers over the byte lengths: a segment closes whenever both sides have consumed the same bytes."""
+    segments, i, j, tb, sb = [], 0, 0, 0, 0
     current = ([], [])
     while i < len(teacher_lengths) or j < len(student_lengths):
         if j >= len(student_lengths) or (i < len(teacher_lengths) and tb <= sb):
@@ -83,13 +84,13 @@ def reference_chunks(teacher_lengths: list[int], student_lengths: list[int]) -> 
             current[1].append(j)
             j += 1
         if tb == sb and current[0] and current[1]:
-            chunks.append(current)
+            segments.append(current)
             current = ([], [])
-    return chunks
+    return segments
 
 
 def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, seq_length: int):
-    """(chunk of each label position [seq_length], teacher sum per chunk) from ``reference_chunks``."""
+    """(segment of each label position [seq_length], teacher sum per segment) from ``reference_segments``."""
     text = b"".join(teacher.strings[t] for t in tokens)
     lead = 0
     while lead < 3 and 0x80 <= text[lead] < 0xC0:
@@ -105,12 +106,12 @@ def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, se
     lengths = [len(student.strings[i]) for i in ids]
     if b"".join(student.strings[i] for i in ids) == b" " + chars.encode() and not chars.startswith(" "):
         lengths[0] -= 1                                   # the SentencePiece dummy prefix
-    # the lead bytes as one pseudo student token (index -1): they join the first chunk, which is dropped
-    chunks = reference_chunks([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
-    chunks = [(t, [j - 1 for j in s]) for t, s in chunks]
+    # the lead bytes as one pseudo student token (index -1): they join the first segment, which is dropped
+    segments = reference_segments([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
+    segments = [(t, [j - 1 for j in s]) for t, s in segments]
     positions = np.full(seq_length, -1)
     sums = []
-    for t_ids, s_ids in chunks[1:]:
+    for t_ids, s_ids in segments[1:]:
         if max(s_ids) > seq_length:
             break
         for j in s_ids:
@@ -120,8 +121,8 @@ def reference_row(tokens, logprobs, teacher: TokenBytes, student: TokenBytes, se
 
 
 def reference_pairs(tokens, topk_ids, topk_logprobs, teacher: TokenBytes, student: TokenBytes, seq_length: int):
-    """(ids [seq_length, K], logprobs [seq_length, K]) of the pair positions, from the two-pointer chunks: a used
-    chunk of one teacher token i and one student token j of the same string puts the teacher's top-K at i - 1 on row
+    """(ids [seq_length, K], logprobs [seq_length, K]) of the pair positions, from the two-pointer segments: a used
+    segment of one teacher token i and one student token j of the same string puts the teacher's top-K at i - 1 on row
     position j - 1, each id replaced by the lowest student id of the same non-empty string (none: id 0, -inf)."""
     text = b"".join(teacher.strings[t] for t in tokens)
     lead = 0
@@ -132,10 +133,10 @@ def reference_pairs(tokens, topk_ids, topk_logprobs, teacher: TokenBytes, studen
     chars = valid_text(text)[1]
     if b"".join(student.strings[i] for i in ids) == b" " + chars.encode() and not chars.startswith(" "):
         lengths[0] -= 1
-    chunks = reference_chunks([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
+    segments = reference_segments([len(teacher.strings[t]) for t in tokens], [lead] + lengths)
     k = len(topk_ids[0])
     pair_ids, pair_logprobs = np.zeros((seq_length, k), dtype=np.int64), np.full((seq_length, k), -np.inf)
-    for t_ids, s_ids in chunks[1:]:
+    for t_ids, s_ids in segments[1:]:
         s_ids = [j - 1 for j in s_ids]
         if max(s_ids) > seq_length:
             break
@@ -178,36 +179,36 @@ def reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence
     return total
 
 
-def reference_from_logits(logits, labels, chunk_ids, teacher_chunks, mask, *, divergence, temperature, alpha,
+def reference_from_logits(logits, labels, segment_ids, teacher_segments, mask, *, divergence, temperature, alpha,
                           token_weight=0.0, teacher_ids=None, teacher_logprobs=None):
-    """float64 dense ALM (plus the token-level term): full logits [s, b, V], per-chunk python loops, the binarised
+    """float64 dense ALM (plus the token-level term): full logits [s, b, V], per-segment python loops, the binarised
     divergence written out; each token's CE weighted by 1 - alpha * (the share of the teacher terms covering it)."""
     s, b, _ = logits.shape
     logp = torch.log_softmax(logits.double(), -1)                                      # [s, b, V]
     l = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (mask != 0)      # [s, b]
-    in_used_chunk = torch.zeros(s, b, dtype=torch.bool)
-    chunk = logp.new_zeros(())
+    in_used_segment = torch.zeros(s, b, dtype=torch.bool)
+    segment = logp.new_zeros(())
     for col in range(b):
-        for c in sorted(set(chunk_ids[:, col].tolist()) - {-1}):
-            members = (chunk_ids[:, col] == c).nonzero().flatten()
+        for c in sorted(set(segment_ids[:, col].tolist()) - {-1}):
+            members = (segment_ids[:, col] == c).nonzero().flatten()
             if bool((mask[members, col] == 0).any()):
                 continue
-            in_used_chunk[members, col] = True
-            lt = (teacher_chunks[c, col].double() / temperature).clamp(max=-1e-6)
+            in_used_segment[members, col] = True
+            lt = (teacher_segments[c, col].double() / temperature).clamp(max=-1e-6)
             ls = (l[members, col].sum() / temperature).clamp(max=-1e-6)
             p, q = lt.exp(), ls.exp()
             if divergence == "forward_kl":
                 d = p * (lt - ls) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
             else:
                 d = q * (ls - lt) + (1 - q) * (torch.log1p(-q) - torch.log1p(-p))
-            chunk = chunk + len(members) * d
-    coverage = (1 - token_weight) * in_used_chunk.double()
+            segment = segment + len(members) * d
+    coverage = (1 - token_weight) * in_used_segment.double()
     token = logp.new_zeros(())
     if token_weight:
         token = reference_token_term(logits, teacher_ids, teacher_logprobs, mask, divergence)
         coverage = coverage + token_weight * (torch.isfinite(teacher_logprobs).any(-1) & (mask != 0)).double()
     ce = -(mask.double() * (1 - alpha * coverage) * l).sum()
-    return alpha * ((1 - token_weight) * chunk + token_weight * token) + ce
+    return alpha * ((1 - token_weight) * segment + token_weight * token) + ce
 
 
 # ---- tokenizers and alignment -------------------------------------------------------------------------------------
@@ -238,30 +239,28 @@ def test_rows_match_the_two_pointer_reference_in_both_directions(tokenizers_pair
         for seq_length in (8, 64):
             row = cross_tokenizer_row(tokens, logprobs, teacher, student, seq_length)
             positions, sums, ids = reference_row(tokens.tolist(), logprobs, teacher, student, seq_length)
-            assert row[CHUNK_IDS].tolist() == positions.tolist()
-            np.testing.assert_allclose(row[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-6)
-            m = int(row["loss_mask"].sum())
-            assert row["tokens"][:m].tolist() == ids[:m] and row["labels"][:m].tolist() == ids[1:m + 1]
+            assert row.teacher.segment_ids.tolist() == positions.tolist()
+            np.testing.assert_allclose(row.teacher.segment_logprobs[:len(sums)].numpy(), sums, rtol=1e-6)
+            m = int(row.loss_mask.sum())
+            assert row.tokens[:m].tolist() == ids[:m] and row.labels[:m].tolist() == ids[1:m + 1]
             assert m <= seq_length and (positions[m:] == -1).all()
-        for t_ids, s_ids in reference_chunks([len(teacher.strings[t]) for t in tokens],
+        for t_ids, s_ids in reference_segments([len(teacher.strings[t]) for t in tokens],
                                              [len(student.strings[i]) for i in
                                               student.encode(valid_text(b"".join(teacher.strings[t]
                                                                                  for t in tokens))[1])]):
             one_to_many += len(t_ids) == 1 and len(s_ids) > 1
             many_to_one += len(t_ids) > 1 and len(s_ids) == 1
-    assert one_to_many and many_to_one                     # both shapes of chunk occur
+    assert one_to_many and many_to_one                     # both shapes of segment occur
 
 
 @pytest.mark.parametrize("direction", ["bpe->unigram", "unigram->bpe"])
 def test_pair_arrays_match_the_reference(tokenizers_pair, direction):
     """The token-level term's rows: the pair positions and the teacher's top-K in the student's ids equal the
-    two-pointer reference; pairs, non-pair chunks and unmapped slots all occur."""
-    from megatron_kd_plugin.cache import PAIR_KEYS, pair_topk
-
+    two-pointer reference; pairs, non-pair segments and unmapped slots all occur."""
     teacher, student = tokenizers_pair if direction == "bpe->unigram" else tokenizers_pair[::-1]
     stream = np.asarray(sum((teacher.encode(t) for t in TEXTS), []))
     rng = np.random.default_rng(1)
-    seen = {"pairs": 0, "other chunks": 0, "unmapped": 0, "mapped": 0}
+    seen = {"pairs": 0, "other segments": 0, "unmapped": 0, "mapped": 0}
     for start in rng.integers(0, len(stream) - 41, 10).tolist():
         tokens = stream[start:start + 41]
         topk_ids = rng.integers(0, len(teacher.strings), (40, 5))
@@ -271,12 +270,12 @@ def test_pair_arrays_match_the_reference(tokenizers_pair, direction):
             row = cross_tokenizer_row(tokens, -np.ones(40), teacher, student, seq_length,
                                       topk=(topk_ids, topk_logprobs))
             ids, logprobs = reference_pairs(tokens.tolist(), topk_ids, topk_logprobs, teacher, student, seq_length)
-            got_ids, got_logprobs = (t[0] for t in pair_topk(*(row[key][None] for key in PAIR_KEYS)))
+            got_ids, got_logprobs = (t[:, 0] for t in pair_teacher(tensor_map(lambda t: t[:, None], row.teacher)))
             assert got_ids.tolist() == ids.tolist()
             np.testing.assert_allclose(got_logprobs.numpy(), logprobs, rtol=1e-6)
             pair_rows = np.isfinite(logprobs).any(-1)
             seen["pairs"] += int(pair_rows.sum())
-            seen["other chunks"] += int(((row[CHUNK_IDS].numpy() >= 0) & ~pair_rows).sum())
+            seen["other segments"] += int(((row.teacher.segment_ids.numpy() >= 0) & ~pair_rows).sum())
             seen["mapped"] += int(np.isfinite(logprobs[pair_rows]).sum())
             seen["unmapped"] += int((~np.isfinite(logprobs[pair_rows])).sum())
     assert all(seen.values()), seen
@@ -291,7 +290,7 @@ def test_a_window_starting_inside_a_multibyte_character_is_aligned_after_it(toke
     assert u >= 1 and not chars.startswith("日")
     row = cross_tokenizer_row(tokens, -np.ones(len(tokens) - 1), teacher, student, 64)
     positions, sums, _ = reference_row(tokens.tolist(), -np.ones(len(tokens) - 1), teacher, student, 64)
-    assert row[CHUNK_IDS].tolist() == positions.tolist() and len(sums) >= 2
+    assert row.teacher.segment_ids.tolist() == positions.tolist() and len(sums) >= 2
 
 
 def test_spaces_a_sentencepiece_student_inserts_after_special_tokens_are_dropped(unigram_eos_student):
@@ -368,7 +367,7 @@ def small_store(path, teacher: TokenBytes, *, n: int = 8, seq: int = 24, fingerp
 
 
 def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, tokenizers_pair):
-    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
+    from megatron_kd_plugin.cache import KDRows, row_kind
 
     teacher, student = tokenizers_pair
     n, path = 8, tmp_path / "cache.zarr"
@@ -381,20 +380,20 @@ def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, 
         tokens = row["tokens"]
         expected = logp[tokens[:-1], tokens[1:]]                          # the realised token, in the top-K or not
         torch.testing.assert_close(row["teacher_realised_logprob"].double(), expected, rtol=0, atol=1e-5)
-    data = CrossTokenizerDataset(reader, np.arange(n), student=student, seq_length=16, num_rows=n, seed=0,
-                                 shuffle=False)
+    data = KDRows(row_kind(reader, seq_length=16, student=student, alignments="memory"), np.arange(n), num_rows=n,
+                  seed=0, shuffle=False)
     for i in range(n):
         item, cached = data[i], reader[i]
         positions, sums, _ = reference_row(cached["tokens"].tolist(), cached["teacher_realised_logprob"].numpy(),
                                            teacher, student, 16)
-        assert item[CHUNK_IDS].tolist() == positions.tolist()
-        np.testing.assert_allclose(item[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-5)
+        assert item.teacher.segment_ids.tolist() == positions.tolist()
+        np.testing.assert_allclose(item.teacher.segment_logprobs[:len(sums)].numpy(), sums, rtol=1e-5)
 
 
 def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path, tokenizers_pair):
     """A row read again, a row after ``prepare`` (batch encode) and a row after loading the sidecar equal the
     reference row; the sidecar is refused for another student tokenizer or another store, a damaged one raises."""
-    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
+    from megatron_kd_plugin.cache import KDRows, row_kind
     from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
 
     teacher, student = tokenizers_pair
@@ -410,29 +409,30 @@ def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path
     prepared.prepare(range(n))
     assert loaded.load(sidecar) and len(loaded) == len(prepared) == n and len(lazy) == 0
     for alignments in (lazy, prepared, loaded):
-        data = CrossTokenizerDataset(reader, np.arange(n), student=student, seq_length=seq, num_rows=2 * n, seed=0,
-                                     shuffle=False, alignments=alignments)
+        kind = row_kind(reader, seq_length=seq, student=student, alignments="memory")
+        kind.alignments = alignments
+        data = KDRows(kind, np.arange(n), num_rows=2 * n, seed=0, shuffle=False)
         for i in range(2 * n):                                            # two epochs: the second reads kept ones
             item, cached = data[i], reader[i % n]
             positions, sums, ids = reference_row(cached["tokens"].tolist(),
                                                  cached["teacher_realised_logprob"].numpy(), teacher, student, seq)
-            assert item[CHUNK_IDS].tolist() == positions.tolist(), (i, alignments)
-            np.testing.assert_allclose(item[CHUNK_LOGPROBS][:len(sums)].numpy(), sums, rtol=1e-5)
-            m = int(item["loss_mask"].sum())
-            assert item["tokens"][:m].tolist() == ids[:m] and item["labels"][:m].tolist() == ids[1:m + 1]
+            assert item.teacher.segment_ids.tolist() == positions.tolist(), (i, alignments)
+            np.testing.assert_allclose(item.teacher.segment_logprobs[:len(sums)].numpy(), sums, rtol=1e-5)
+            m = int(item.loss_mask.sum())
+            assert item.tokens[:m].tolist() == ids[:m] and item.labels[:m].tolist() == ids[1:m + 1]
     assert len(lazy) == n
     assert all(isinstance(loaded.get(i).ids, np.memmap) for i in range(n))               # mapped, not copied
     revived = pickle.loads(pickle.dumps(loaded))          # a spawned data-loader worker: the path travels, re-mapped
     assert isinstance(revived.get(0).ids, np.memmap) and len(pickle.dumps(loaded)) < len(pickle.dumps(prepared))
-    assert all(revived.row(i, seq)[CHUNK_IDS].tolist() == loaded.row(i, seq)[CHUNK_IDS].tolist() for i in range(n))
+    assert all(revived.row(i, seq).teacher.segment_ids.tolist() == loaded.row(i, seq).teacher.segment_ids.tolist() for i in range(n))
     other_student = TokenBytes.from_tokenizer(train_unigram(250), identity="unigram250")
     assert not StudentAlignments(reader, other_student).load(sidecar)
     assert not StudentAlignments(TopKCacheReader(tmp_path / "b.zarr"), student).load(sidecar)
-    teacher_chunks = sidecar / "teacher_chunks.bin"
-    flipped = bytearray(teacher_chunks.read_bytes())
+    teacher_segments = sidecar / "teacher_segments.bin"
+    flipped = bytearray(teacher_segments.read_bytes())
     flipped[5] ^= 1
-    teacher_chunks.write_bytes(bytes(flipped))
-    with pytest.raises(ValueError, match="damaged student-alignment sidecar .*teacher_chunks.bin: CRC32C mismatch"):
+    teacher_segments.write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="damaged student-alignment sidecar .*teacher_segments.bin: CRC32C mismatch"):
         StudentAlignments(reader, student).load(sidecar)
     ids_file = sidecar / "ids.bin"
     ids_file.write_bytes(ids_file.read_bytes()[:-40])
@@ -442,7 +442,7 @@ def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path
 
 def _load_or_write_body(store, student_file, marks, processes):
     """One process of the concurrency test: map the sidecar through ``load_or_write``, noting whether it computed it;
-    returns its rows' chunk ids. Each process notes its arrival once it has found no sidecar, and a process that
+    returns its rows' segment ids. Each process notes its arrival once it has found no sidecar, and a process that
     computes one waits until all have arrived, so that without the lock every one of them would compute it."""
     import os
     import time
@@ -469,7 +469,7 @@ def _load_or_write_body(store, student_file, marks, processes):
 
     alignments.load, alignments.save = noted_load, noted_save
     load_or_write(alignments, sidecar_path(reader, student), progress=False)
-    return [alignments.row(i, 16)[CHUNK_IDS].tolist() for i in range(len(reader))]
+    return [alignments.row(i, 16).teacher.segment_ids.tolist() for i in range(len(reader))]
 
 
 def test_load_or_write_computes_the_sidecar_once_for_concurrent_processes(tmp_path, tokenizers_pair):
@@ -492,7 +492,7 @@ def test_load_or_write_computes_the_sidecar_once_for_concurrent_processes(tmp_pa
     assert len(list(marks.glob("computed-*"))) == 1
     reader = TopKCacheReader(tmp_path / "a.zarr")
     fresh = StudentAlignments(reader, TokenBytes.load(tmp_path / "student.json"))
-    expected = [fresh.row(i, 16)[CHUNK_IDS].tolist() for i in range(len(reader))]
+    expected = [fresh.row(i, 16).teacher.segment_ids.tolist() for i in range(len(reader))]
     assert rows == [expected] * 3
 
 
@@ -503,17 +503,17 @@ def loss_inputs(seed=0, s=11, b=3, h=7, v=30):
     hidden = torch.randn(s, b, h, generator=g, dtype=torch.float64)
     weight = torch.randn(v, h, generator=g, dtype=torch.float64) / 2
     labels = torch.randint(0, v, (s, b), generator=g)
-    chunk_ids = torch.full((s, b), -1)
-    for col in range(b):                                   # chunks of 1..3 tokens, some tokens in none
+    segment_ids = torch.full((s, b), -1)
+    for col in range(b):                                   # segments of 1..3 tokens, some tokens in none
         c, t = 0, 1 + col % 2
         while t < s:
             size = int(torch.randint(1, 4, (), generator=g))
-            chunk_ids[t:t + size, col] = c
+            segment_ids[t:t + size, col] = c
             c, t = c + 1, t + size
     teacher = -torch.rand(s, b, generator=g, dtype=torch.float64) * 4
     mask = torch.ones(s, b)
-    mask[-2:, 0] = 0                                       # a padded tail: its chunk drops out
-    return hidden, weight, labels, chunk_ids, teacher, mask
+    mask[-2:, 0] = 0                                       # a padded tail: its segment drops out
+    return hidden, weight, labels, segment_ids, teacher, mask
 
 
 def pair_inputs(seed=1, s=11, b=3, v=30, k=4):
@@ -534,12 +534,21 @@ CASES = [dict(divergence="forward_kl", temperature=1.0, alpha=1.0), dict(diverge
          dict(divergence="reverse_kl", temperature=1.0, alpha=1.0, token_weight=1.0)]
 
 
-def _loss_and_grads(hidden, weight, labels, chunk_ids, teacher, mask, case, **kwargs):
+def cross_teacher(segment_ids, teacher_segments, pairs=None) -> CrossTokenizerTeacher:
+    """The loss's teacher ([s, b] order) from a test's segment arrays and, for the token-level term, its [s, b, K]
+    pairs' top-K, each position paired with its own slots (a position whose slots are all -inf has no pair)."""
+    s, b = segment_ids.shape
+    ids, logprobs = pairs if pairs is not None else (torch.zeros(s, b, 0, dtype=torch.int32),
+                                                     torch.zeros(s, b, 0))
+    return CrossTokenizerTeacher(segment_ids, teacher_segments, torch.arange(s)[:, None].expand(s, b).contiguous(), ids,
+                                 logprobs)
+
+
+def _loss_and_grads(hidden, weight, labels, segment_ids, teacher, mask, case, **kwargs):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    pairs = dict(zip(("teacher_ids", "teacher_logprobs"), pair_inputs(), strict=True)) if "token_weight" in case \
-        else {}
-    result = chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, loss_mask=mask, chunk_bytes=4 * 30 * 8,
-                                   **case, **pairs, **kwargs)
+    pairs = pair_inputs() if "token_weight" in case else None
+    result = cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher, pairs), labels=labels,
+                                  loss_mask=mask, chunk_bytes=4 * 30 * 8, **case, **kwargs)
     result.loss_sum.backward()
     return result, hidden.grad, weight.grad
 
@@ -566,22 +575,22 @@ def test_loss_and_gradients_equal_the_float64_reference(case):
     if "token_weight" in case:
         ids, logprobs = pair_inputs()
         pairs = torch.isfinite(logprobs).any(-1) & (inputs[5] != 0)
-        assert int(result.num_pairs) == int(pairs.sum()) > 0
+        assert int(result.sum("pairs")) == int(pairs.sum()) > 0
         logits = inputs[0] @ inputs[1].t()
-        torch.testing.assert_close(result.token_sum, reference_token_term(logits, ids, logprobs, inputs[5],
+        torch.testing.assert_close(result.sum("token kd loss"), reference_token_term(logits, ids, logprobs, inputs[5],
                                                                           case["divergence"]), rtol=1e-10, atol=1e-12)
 
 
 def test_token_weight_needs_the_pairs_and_lies_in_0_1():
-    hidden, weight, labels, chunk_ids, teacher, mask = loss_inputs()
-    with pytest.raises(ValueError, match="token_weight=0.5 needs teacher_ids and teacher_logprobs"):
-        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=0.5)
+    hidden, weight, labels, segment_ids, teacher, mask = loss_inputs()
+    with pytest.raises(ValueError, match="token_weight=0.5 needs the pairs' top-K"):
+        cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher), labels=labels, token_weight=0.5)
     with pytest.raises(ValueError, match="token_weight=1.5: expected 0 <= token_weight <= 1"):
-        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=1.5)
+        cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher), labels=labels, token_weight=1.5)
     ids, logprobs = pair_inputs()
     with pytest.raises(ValueError, match=r"teacher_ids must lie in \[0, V=30\)"):
-        chunk_likelihood_loss(hidden, weight, labels, chunk_ids, teacher, token_weight=0.5, teacher_ids=ids + 30,
-                              teacher_logprobs=logprobs)
+        cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher, (ids + 30, logprobs)), labels=labels,
+                             token_weight=0.5)
 
 
 def _tp_body(case_list):
@@ -662,7 +671,7 @@ def _bridge_tp1_body(folder):
     seed_model_parallel(cfg.rng.seed)
     model = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
     data = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=2, valid_samples=0, test_samples=0))[0]
-    batch = {key: torch.stack([data[i][key] for i in range(2)]) for key in data[0]}
+    batch = torch.utils.data.default_collate([data[i] for i in range(2)])     # a batch-first KDRow
     state = GlobalState()
     state.cfg = cfg
     with torch.no_grad():
@@ -675,17 +684,15 @@ def _bridge_tp1_body(folder):
         cfg.kd.token_weight = 0.0
         positions = torch.arange(BRIDGE_SEQ).expand(2, BRIDGE_SEQ)
         mask = torch.ones(BRIDGE_SEQ, BRIDGE_SEQ, dtype=torch.bool).triu(1).view(1, 1, BRIDGE_SEQ, BRIDGE_SEQ)
-        logits = model(batch["tokens"], positions, mask).transpose(0, 1)                        # [s, b, V]
-    expected = reference_from_logits(logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(),
-                                     batch["loss_mask"].t(), divergence="forward_kl", temperature=1.0,
+        logits = model(batch.tokens, positions, mask).transpose(0, 1)                        # [s, b, V]
+    expected = reference_from_logits(logits, batch.labels.t(), batch.teacher.segment_ids.t(), batch.teacher.segment_logprobs.t(),
+                                     batch.loss_mask.t(), divergence="forward_kl", temperature=1.0,
                                      alpha=cfg.kd.alpha)
-    from megatron_kd_plugin.cache import PAIR_KEYS, pair_topk
-
-    pair_ids, pair_logprobs = pair_topk(*(batch[key] for key in PAIR_KEYS))                      # [b, s, K]
+    pairs = pair_teacher(tensor_map(lambda t: t.transpose(0, 1), batch.teacher))                 # [s, b, K]
     expected_token = reference_from_logits(
-        logits, batch["labels"].t(), batch[CHUNK_IDS].t(), batch[CHUNK_LOGPROBS].t(), batch["loss_mask"].t(),
+        logits, batch.labels.t(), batch.teacher.segment_ids.t(), batch.teacher.segment_logprobs.t(), batch.loss_mask.t(),
         divergence="forward_kl", temperature=1.0, alpha=cfg.kd.alpha, token_weight=0.5,
-        teacher_ids=pair_ids.transpose(0, 1), teacher_logprobs=pair_logprobs.transpose(0, 1))
+        teacher_ids=pairs.ids, teacher_logprobs=pairs.logprobs)
     refusals = {}
     for name, overrides in (("plain store", bridge_overrides(plain, folder / "student.json")),
                             ("no tokenizer", bridge_overrides(store, folder / "missing")),
@@ -705,9 +712,9 @@ def _bridge_tp1_body(folder):
     _, history = train_on_cpu(build_config(recipe, bridge_overrides(store, folder / "student.json",
                                                                      "kd.token_weight=0.5")), progress=False)
     return dict(loss=float(loss_sum), expected=float(expected), tokens=int(num_tokens),
-                mask=int(batch["loss_mask"].sum()), report=sorted(report), refusals=refusals, history=history,
+                mask=int(batch.loss_mask.sum()), report=sorted(report), refusals=refusals, history=history,
                 token_loss=float(token_loss), expected_token=float(expected_token), token_report=sorted(token_report),
-                pairs=int(torch.isfinite(pair_logprobs).any(-1).sum()),
+                pairs=int(torch.isfinite(pairs.logprobs).any(-1).sum()),
                 sidecars=[p.name for p in folder.glob("xtok.zarr.align-*") if p.is_dir()])
 
 
@@ -727,25 +734,25 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
     tp1 = run_on_ranks(1, _bridge_tp1_body, tmp_path, timeout=600)[0]
     assert tp1["tokens"] == tp1["mask"] > 0
     assert math.isclose(tp1["loss"], tp1["expected"], rel_tol=1e-5), tp1
-    assert tp1["report"] == ["chunk gap", "chunk loss", "chunks", "lm loss"]
+    assert tp1["report"] == ["lm loss", "segment gap", "segment loss", "segments"]
     assert tp1["pairs"] > 0 and math.isclose(tp1["token_loss"], tp1["expected_token"], rel_tol=1e-5), tp1
-    assert tp1["token_report"] == ["chunk gap", "chunk loss", "chunks", "lm loss", "pairs", "token kd loss"]
+    assert tp1["token_report"] == ["lm loss", "pairs", "segment gap", "segment loss", "segments", "token kd loss"]
     assert len(tp1["sidecars"]) == 1                                      # the alignments, written beside the store
     assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
     assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
-    assert "chunks would be split across CP ranks" in tp1["refusals"]["context parallel"]
+    assert "segments would be split across CP ranks" in tp1["refusals"]["context parallel"]
     assert "kd.token_weight=0.5 is for cross-tokenizer students" in tp1["refusals"]["token weight, one tokenizer"]
     tp2 = run_on_ranks(2, _bridge_tp2_body, tmp_path, timeout=600)
     assert len(tp1["history"]) == BRIDGE_STEPS
     for rank_history in tp2:
         for a, b in zip(tp1["history"], rank_history):
-            for key in ("loss", "chunk loss", "lm loss", "token kd loss", "pairs", "grad norm"):
+            for key in ("loss", "segment loss", "lm loss", "token kd loss", "pairs", "grad norm"):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
 
 
 def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_path):
     """``demo --student-tokenizer bpe --preset mini``: teacher, A-ce, A-kd, B-ce and one B-kd row per --alm (one
-    with the token-level term), finite bits per byte, the chunk/CE gradient-norm ratio of each ALM run, the pair
+    with the token-level term), finite bits per byte, the segment/CE gradient-norm ratio of each ALM run, the pair
     coverage in the summary."""
     import json
     import subprocess
@@ -761,6 +768,6 @@ def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_pa
     assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-kd alpha=1 tau=4 gamma=0", "B-kd alpha=0.5 tau=1 gamma=0.5"]
     assert list(rows)[0].startswith("teacher")
     assert all(0 < row["bpb"] < 10 for row in rows.values())
-    assert rows["B-kd alpha=1 tau=4 gamma=0"]["chunk_pull"] > 0
+    assert rows["B-kd alpha=1 tau=4 gamma=0"]["segment_pull"] > 0
     assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and " at a pair token " in done.stdout
     assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["pairs"] > 0

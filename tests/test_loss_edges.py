@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kd_plugin.loss import topk_kd_loss
+from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case,  # noqa: F401
                                      make_small_tail_case, one_thread, rel_err, run_loss)
 
@@ -44,7 +44,7 @@ def test_saturated_teacher_reproducer():
     """The issue's reproducer, verbatim: 0, not NaN."""
     x, w = torch.zeros(1, 1, 4), torch.eye(4)
     x[0, 0, 0] = 120.0
-    assert topk_kd_loss(x, w, torch.tensor([[[0]]]), torch.tensor([[[0.0]]]), kernels="torch").loss_sum == 0
+    assert topk_kd_loss(x, w, TopKTeacher(torch.tensor([[[0]]]), torch.tensor([[[0.0]]])), kernels="torch").loss_sum == 0
 
 
 def test_reverse_kl_ghost_tail_below_float32_resolution():
@@ -71,7 +71,8 @@ def test_empty_sequence_gives_zero_loss_and_zero_grads(validate):
         with_labels = path.get("tail") != "renorm"
         got, dh, dw = run_loss(empty, validate=validate, with_labels=with_labels,
                                alpha=0.5 if with_labels else 1.0, **path)
-        assert got.loss_sum == 0 and got.num_tokens == 0 and got.kd_sum == 0 and got.ce_sum == 0, path
+        assert got.loss_sum == 0 and got.num_tokens == 0 and got.sum("kd loss") == 0, path
+        assert not with_labels or got.sum("lm loss") == 0, path
         assert dh.shape == empty["hidden"].shape and dw.shape == case["weight"].shape and not dw.any(), path
 
 
@@ -98,7 +99,7 @@ def test_ignore_index_labels_have_no_ce_term():
             got, dh, dw = run_loss(case, temperature=tau, alpha=alpha, with_labels=True, validate=validate,
                                    chunk_bytes=4 * 40 * 8 * 2, **path)
             where = (path, validate)
-            assert rel_err(got.loss_sum, ref_loss) < 1e-9 and rel_err(got.ce_sum, ce) < 1e-9, where
+            assert rel_err(got.loss_sum, ref_loss) < 1e-9 and rel_err(got.sum("lm loss"), ce) < 1e-9, where
             assert rel_err(dh, ref_dh) < 1e-9 and rel_err(dw, ref_dw) < 1e-9, where
             assert int(got.num_tokens) == int((case["loss_mask"] != 0).sum()), where
 

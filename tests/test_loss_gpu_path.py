@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_kd_plugin.loss import forward_chunked, fused, topk_kd_loss
-from megatron_kd_plugin.loss.fused import _mm_into_, half_into_fp32_gemm
-from tests.test_loss_helpers import make_case, rel_err, run_loss
+from megatron_kd_plugin.loss import fused_head, references, topk_kd_loss
+from megatron_kd_plugin.loss.fused_head import _mm_into_, half_into_fp32_gemm
+from tests.test_loss_helpers import make_case, rel_err, run_loss, teacher_of
 
 
 @pytest.mark.parametrize("device_type,version,expected", [
@@ -41,7 +41,7 @@ def _as_if_cuda(monkeypatch, version):
         calls.append(("mm", None, a.dtype, b.dtype, kw.get("out_dtype"), tuple(a.shape)))
         return real_mm(a, b, **kw)
 
-    monkeypatch.setattr(fused, "half_into_fp32_gemm",
+    monkeypatch.setattr(fused_head, "half_into_fp32_gemm",
                         lambda device_type: real_gemm("cuda" if device_type == "meta" else device_type, version))
     monkeypatch.setattr(torch, "addmm", addmm)
     monkeypatch.setattr(torch, "mm", mm)
@@ -103,7 +103,7 @@ class _LargeAllocations(TorchDispatchMode):
 
 
 def _loss(case, hidden, weight, **options):
-    return topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"], loss_mask=case["loss_mask"],
+    return topk_kd_loss(hidden, weight, teacher_of(case), loss_mask=case["loss_mask"],
                         kernels="torch", **options)
 
 
@@ -119,7 +119,7 @@ def test_no_gradient_work_under_no_grad(monkeypatch, path):
     case = make_case(s=2, b=5, hidden_size=16, vocab=64, k=4, dtype=torch.float32)
     hidden, weight = case["hidden"].requires_grad_(), case["weight"].requires_grad_()
     calls = []
-    module = forward_chunked if path["impl"] == "forward_chunked" else fused
+    module = references if path["impl"] == "forward_chunked" else fused_head
     real = module.forward_pass
 
     def spy(plan, batch, logits_chunk, on_grad, keep_coefs):
@@ -165,7 +165,7 @@ def test_renorm_rows_casts_only_gathered_rows(frozen):
     hidden.requires_grad_(frozen != "hidden")
     weight.requires_grad_(frozen != "weight")
     with _LargeAllocations(32 * 32) as seen:                 # anything of >= 1/2 X or 1/3 W
-        got = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"], loss_mask=case["loss_mask"],
+        got = topk_kd_loss(hidden, weight, teacher_of(case), loss_mask=case["loss_mask"],
                            tail="renorm", temperature=1.5, chunk_bytes=chunk_bytes)
         got.loss_sum.backward()
     expected = {"weight": [(torch.float32, (64, 32)), (torch.bfloat16, (64, 32))],          # dX, then as bf16

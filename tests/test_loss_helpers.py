@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_kd_plugin.loss import topk_kd_loss
+from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher, topk_kd_loss
 
 COMBOS = [(tail, div) for tail, div in itertools.product(("ghost", "none", "renorm"),
                                                          ("forward_kl", "reverse_kl", "jsd"))
@@ -55,7 +55,7 @@ def draw_from_teacher(teacher_logprobs: torch.Tensor, draws: int, proposal_tempe
 
 def make_sampled_case(*, draws=9, proposal_temperature=1.5, teacher_vocab=None, seed=0, **shape):
     """``make_case``'s student, mask and labels with a sampled teacher: ``draws`` ids per token drawn from a full
-    teacher (repeats happen), their log-probs and ``sample_weights``; some slots are padding (-inf log-prob with a
+    teacher (repeats happen), their log-probs and importance weights ``draw_weights``; some slots are padding (-inf log-prob with a
     non-zero weight, which must be ignored)."""
     case = make_case(seed=seed, teacher_vocab=teacher_vocab, **shape)
     s, b = case["loss_mask"].shape
@@ -64,18 +64,23 @@ def make_sampled_case(*, draws=9, proposal_temperature=1.5, teacher_vocab=None, 
     teacher = (torch.randn(s, b, vocab, generator=gen, dtype=torch.float64) * 2).log_softmax(-1)
     ids, logprobs, weights = draw_from_teacher(teacher, draws, proposal_temperature, gen)
     logprobs[:, 1::4, -1] = -torch.inf
-    return dict(case, teacher_ids=ids.to(torch.int32), teacher_logprobs=logprobs, sample_weights=weights)
+    return dict(case, teacher_ids=ids.to(torch.int32), teacher_logprobs=logprobs, draw_weights=weights)
+
+
+def teacher_of(case) -> TopKTeacher | SampledTeacher:
+    """The case's teacher as the loss takes it: a ``SampledTeacher`` when the case has ``draw_weights``."""
+    if "draw_weights" in case:
+        return SampledTeacher(case["teacher_ids"], case["teacher_logprobs"], case["draw_weights"])
+    return TopKTeacher(case["teacher_ids"], case["teacher_logprobs"])
 
 
 def run_loss(case, *, hidden=None, weight=None, **options):
-    """topk_kd_loss forward + backward of loss_sum (with the case's sample_weights, if any); returns (result,
+    """topk_kd_loss forward + backward of loss_sum (a sampled case's draws with their weights); returns (result,
     d_hidden, d_weight)."""
     hidden = (case["hidden"] if hidden is None else hidden).detach().clone().requires_grad_()
     weight = (case["weight"] if weight is None else weight).detach().clone().requires_grad_()
     labels = case["labels"] if options.pop("with_labels", False) else None
-    result = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"],
-                          loss_mask=case["loss_mask"], labels=labels, sample_weights=case.get("sample_weights"),
-                          **options)
+    result = topk_kd_loss(hidden, weight, teacher_of(case), loss_mask=case["loss_mask"], labels=labels, **options)
     result.loss_sum.backward()
     return result, hidden.grad, weight.grad
 

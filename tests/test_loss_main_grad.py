@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatron_kd_plugin.loss import topk_kd_loss
-from tests.test_loss_helpers import make_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
+from tests.test_loss_helpers import make_case, one_thread, rel_err, run_loss, teacher_of  # noqa: F401
 
 SHAPE = dict(s=4, b=6, hidden_size=32, vocab=256, k=5)
 CHUNK = 8 * 256 * 4                      # chunks of 8 fp32 logits rows; weight blocks of 16 rows for a bf16 weight
@@ -46,7 +46,7 @@ def _fused_into_main_grad(case, prior, **options):
     weight.main_grad = prior.clone()
     weight.grad_added_to_main_grad = False
     with _LargeAllocations(weight.numel(), [weight, weight.main_grad, hidden]) as allocations:
-        result = topk_kd_loss(hidden, weight, case["teacher_ids"], case["teacher_logprobs"],
+        result = topk_kd_loss(hidden, weight, teacher_of(case),
                               loss_mask=case["loss_mask"], labels=case["labels"], chunk_bytes=CHUNK, kernels="torch",
                               **options)
         result.loss_sum.backward()
@@ -73,9 +73,9 @@ def test_dw_accumulates_into_fp32_main_grad(mode, held):
     assert rel_err(d_hidden, ref_dh) < 1e-2                                          # dX is rounded to bf16
     assert len(allocations) == held and all(dtype == torch.float32 for _, _, dtype in allocations), allocations
     before = weight.detach().clone()
-    again = topk_kd_loss(weight=weight, hidden=case["hidden"].clone().requires_grad_(), mode=mode,
-                         **{key: case[key] for key in ("teacher_ids", "teacher_logprobs", "loss_mask", "labels")},
-                         chunk_bytes=CHUNK, kernels="torch", **options)
+    again = topk_kd_loss(weight=weight, hidden=case["hidden"].clone().requires_grad_(), teacher=teacher_of(case),
+                         mode=mode, loss_mask=case["loss_mask"], labels=case["labels"], chunk_bytes=CHUNK,
+                         kernels="torch", **options)
     again.loss_sum.backward()                              # no DDP hook dropped the first placeholder
     assert torch.equal(weight.detach(), before) and rel_err(weight.main_grad - prior, 2 * ref_dw) < 2e-6
 
@@ -115,7 +115,7 @@ def ddp_main_grad_on_rank(group, rank: int, size: int) -> dict:
                                                                             overlap_grad_reduce=True), module)
         ddp.zero_grad_buffer()
         for _ in range(2):
-            result = topk_kd_loss(module.hidden, module.weight, case["teacher_ids"], case["teacher_logprobs"],
+            result = topk_kd_loss(module.hidden, module.weight, teacher_of(case),
                                   loss_mask=case["loss_mask"], tp_group=group, mode=mode, chunk_bytes=CHUNK,
                                   kernels="torch")
             result.loss_sum.backward()

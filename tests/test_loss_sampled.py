@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from megatron_kd_plugin.loss import topk_kd_loss
+from megatron_kd_plugin.loss import SampledTeacher, topk_kd_loss
 from tests.test_loss_helpers import draw_from_teacher, make_sampled_case, one_thread, rel_err, run_loss  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,11 +46,11 @@ def _sampled_estimates(proposal_temperature, self_normalised=False):
         if self_normalised:
             weights = weights / weights.sum(-1, keepdim=True)
         hidden = logits[:, None].expand(TOKENS, GROUP_SEEDS, VOCAB).clone().requires_grad_()   # [S, n, V]
-        result = topk_kd_loss(hidden, torch.eye(VOCAB, dtype=torch.float64), ids, logprobs, tail="sampled",
-                              sample_weights=weights)
+        result = topk_kd_loss(hidden, torch.eye(VOCAB, dtype=torch.float64), SampledTeacher(ids, logprobs, weights),
+                              tail="sampled")
         result.loss_sum.backward()
         grads.append(hidden.grad)
-        values.append(float(result.kd_sum) / GROUP_SEEDS)
+        values.append(float(result.sum("kd loss")) / GROUP_SEEDS)
     return torch.cat(grads, 1), torch.tensor(values, dtype=torch.float64)
 
 
@@ -93,7 +93,7 @@ def test_dense_reference_matches_definition():
     """The dense reference, token by token, against f = sum_k w_k (l_k - log q_{I_k}) summed over slots by hand
     (repeated draws, padding slots with a weight, a zero weight); the teacher mass counts each drawn id once."""
     case = make_sampled_case(s=2, b=5, vocab=11, draws=6)
-    case["sample_weights"][1, 2, 3] = 0.0
+    case["draw_weights"][1, 2, 3] = 0.0
     case["loss_mask"] = torch.ones_like(case["loss_mask"])
     result, _, _ = run_loss(case, impl="dense", tail="sampled")
     log_q = (case["hidden"] @ case["weight"].t()).log_softmax(-1)
@@ -103,11 +103,11 @@ def test_dense_reference_matches_definition():
             drawn = {}
             for slot, (v, l, w) in enumerate(zip(case["teacher_ids"][i, j].tolist(),
                                                  case["teacher_logprobs"][i, j].tolist(),
-                                                 case["sample_weights"][i, j].tolist(), strict=True)):
+                                                 case["draw_weights"][i, j].tolist(), strict=True)):
                 if l > -math.inf and w > 0:
                     expected += w * (l - float(log_q[i, j, v]))
                     drawn[v] = l
             mass += sum(math.exp(l) for l in drawn.values())
     assert any(len(set(row.tolist())) < 6 for row in case["teacher_ids"].reshape(-1, 6))   # repeats present
-    assert rel_err(result.kd_sum, torch.tensor(expected, dtype=torch.float64)) < 1e-12
-    assert rel_err(result.teacher_topk_mass_sum, torch.tensor(mass, dtype=torch.float64)) < 1e-12
+    assert rel_err(result.sum("kd loss"), torch.tensor(expected, dtype=torch.float64)) < 1e-12
+    assert rel_err(result.sum("teacher top-K mass"), torch.tensor(mass, dtype=torch.float64)) < 1e-12

@@ -52,8 +52,8 @@ def _tp_body(group, rank: int, size: int, k: int) -> dict:
         errors[i] = max(rel_err(single.loss_sum, ref.loss_sum), rel_err(single_dh, ref_dh),
                         rel_err(single_dw, ref_dw),
                         rel_err(got.loss_sum, single.loss_sum), rel_err(dh, single_dh),
-                        rel_err(dw, single_dw[rows]), rel_err(got.kd_sum, single.kd_sum),
-                        rel_err(got.ce_sum, single.ce_sum) if config.get("with_labels") else 0.0,
+                        rel_err(dw, single_dw[rows]), rel_err(got.sum("kd loss"), single.sum("kd loss")),
+                        rel_err(got.sum("lm loss"), single.sum("lm loss")) if config.get("with_labels") else 0.0,
                         rel_err(sp.loss_sum, single.loss_sum), rel_err(sp_dh, single_dh[seq]),
                         rel_err(sp_dw, single_dw[rows]))
     return errors

@@ -21,10 +21,10 @@ else:
     def test_kernels_triton_without_triton_runtime_is_a_clear_error():
         """CPU tensors without the interpreter: kernels='triton' refuses, kernels='auto' takes the PyTorch path."""
         from megatron_kd_plugin.loss import topk_kd_loss
-        from tests.test_loss_helpers import make_case
+        from tests.test_loss_helpers import make_case, teacher_of
 
         case = make_case(s=2, b=3, vocab=20, k=3, dtype=torch.float32)
-        args = (case["hidden"], case["weight"], case["teacher_ids"], case["teacher_logprobs"])
+        args = (case["hidden"], case["weight"], teacher_of(case))
         with pytest.raises(ValueError, match="kernels='triton' cannot run on cpu"):
             topk_kd_loss(*args, kernels="triton")
         auto = topk_kd_loss(*args, kernels="auto").loss_sum

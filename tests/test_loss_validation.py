@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from megatron_kd_plugin.loss import KDLossOptions, topk_kd_loss
-from tests.test_loss_helpers import make_case, one_thread  # noqa: F401 (fixture)
+from tests.test_loss_helpers import make_case, one_thread, teacher_of  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(case, **options):
-    return topk_kd_loss(case["hidden"], case["weight"], case["teacher_ids"], case["teacher_logprobs"],
+    return topk_kd_loss(case["hidden"], case["weight"], teacher_of(case),
                         loss_mask=case["loss_mask"], **options)
 
 
@@ -120,22 +120,29 @@ def test_bad_options(options, message):
 
 def _sampled_case():
     case = _case()
-    case["sample_weights"] = torch.full(case["teacher_ids"].shape, 0.25)
+    case["draw_weights"] = torch.full(case["teacher_ids"].shape, 0.25)
     return case
 
 
+def _without_weights(case):
+    return {key: value for key, value in case.items() if key != "draw_weights"}
+
+
 @pytest.mark.parametrize("tail,corrupt,message", [
-    ("sampled", lambda t: None, r"sample_weights is missing with tail='sampled'"),
-    ("ghost", lambda t: t, r"sample_weights is given with tail='ghost'"),
-    ("sampled", lambda t: t[..., :2], r"sample_weights must be a float tensor shaped like teacher_ids \(2, 3, 4\)"),
-    ("sampled", lambda t: t.long(), r"sample_weights must be a float tensor .* torch.int64"),
-    ("sampled", _set((0, 1, 2), -0.5), r"sample_weights must be finite and >= 0 .* 0 NaN/inf entries and min -0.5"),
-    ("sampled", _set((1, 1, 1), torch.nan), r"sample_weights must be finite and >= 0 .* 1 NaN/inf entries"),
+    ("sampled", _without_weights, r"a TopKTeacher with tail='sampled': tail='sampled' takes exactly a SampledTeacher"),
+    ("ghost", lambda case: case, r"a SampledTeacher with tail='ghost'"),
+    ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"][..., :2]),
+     r"the draws' weights must be a float tensor shaped like their ids \(2, 3, 4\)"),
+    ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"].long()),
+     r"the draws' weights must be a float tensor .* torch.int64"),
+    ("sampled", lambda case: dict(case, draw_weights=_set((0, 1, 2), -0.5)(case["draw_weights"].clone())),
+     r"the draws' weights must be finite and >= 0 .* 0 NaN/inf entries and min -0.5"),
+    ("sampled", lambda case: dict(case, draw_weights=_set((1, 1, 1), torch.nan)(case["draw_weights"].clone())),
+     r"the draws' weights must be finite and >= 0 .* 1 NaN/inf entries"),
 ])
-def test_bad_sample_weights(tail, corrupt, message):
-    case = _sampled_case()
+def test_bad_draw_weights(tail, corrupt, message):
     with pytest.raises(ValueError, match=message):
-        _call(case, tail=tail, sample_weights=corrupt(case["sample_weights"].clone()))
+        _call(corrupt(_sampled_case()), tail=tail)
 
 
 def test_sampled_mass_counts_each_drawn_id_once():
@@ -144,7 +151,7 @@ def test_sampled_mass_counts_each_drawn_id_once():
     case = _sampled_case()
     case["teacher_ids"][:] = 5
     case["teacher_logprobs"][:] = torch.tensor(0.9).log()
-    result = _call(case, tail="sampled", sample_weights=case["sample_weights"])
-    assert abs(float(result.teacher_topk_mass_sum) - 0.9 * int(result.num_tokens)) < 1e-5
+    result = _call(case, tail="sampled")
+    assert abs(float(result.sum("teacher top-K mass")) - 0.9 * int(result.num_tokens)) < 1e-5
     with pytest.raises(ValueError, match=r"top-K mass sum_k exp\(logprob\) is 3\.(6|59)"):
-        _call(case)
+        _call(_without_weights(case))

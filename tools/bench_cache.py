@@ -38,7 +38,7 @@ rate of each, their ratio, and the bytes/token of ``chunk_records``.
 stdlib ``*.py`` sources, tokenized by a byte-level BPE trained on them, ``--vocab``'s first entry ids) with and without
 the cross-tokenizer arrays, and prints the added bytes/token (the realised log-probs; the byte table once per store)
 and the reader's teacher tokens/s (CPU seconds of this process, random order), first pass and steady state: the
-same-tokenizer dataset (``TopKCacheDataset``) next to the cross-tokenizer one (``CrossTokenizerDataset``: read,
+same-tokenizer rows (``KDRows`` of ``TopKRows``) next to the cross-tokenizer ones (``CrossTokenizerRows``: read,
 re-tokenise with a student tokenizer trained on the same text, align, cut, map the pair tokens' top-K; each sample's
 alignment is kept after its first read) with its alignments made three ways before or during the first pass: on each
 sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or mapped from the sidecar folder; in
@@ -423,7 +423,7 @@ def cross_tokenizer_runs(args) -> None:
     """The ``--cross-tokenizer`` table (module docstring)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset, TopKCacheDataset
+    from megatron_kd_plugin.cache import KDRows, row_kind
     from megatron_kd_plugin.cache.student_alignments import StudentAlignments
     from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
@@ -466,7 +466,7 @@ def cross_tokenizer_runs(args) -> None:
         ids = np.arange(len(source))
         print("\nteacher tokens/s per CPU second of this process, random order; first pass: a new dataset (and for "
               "the cross-tokenizer rows the alignment work it needs first), steady: best of 5 later passes\n")
-        print("| reader | student tokens / teacher token | labels in a used chunk | labels at a pair token "
+        print("| reader | student tokens / teacher token | labels in a used segment | labels at a pair token "
               "| first pass | ratio | steady | ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -480,28 +480,28 @@ def cross_tokenizer_runs(args) -> None:
             first = tokens / (time.process_time() - cpu)
             return first, reader_rate(lambda i: data[i], len(source), source.seq_length)[1], data
 
-        first, steady, _ = passes(lambda: TopKCacheDataset(reader, ids, seq_length=args.seq_length,
-                                                           num_rows=len(source), seed=0))
+        first, steady, _ = passes(lambda: KDRows(row_kind(reader, seq_length=args.seq_length), ids,
+                                                 num_rows=len(source), seed=0))
         base_first, base = first, steady
-        print(f"| TopKCacheDataset (same tokenizer, K={args.k}) | 1 | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} "
+        print(f"| top-K rows (same tokenizer, K={args.k}) | 1 | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} "
               "| 1.00 |")
         for name, student in students.items():
             sidecar = work / f"{name}.align"
-            make = lambda: CrossTokenizerDataset(reader, ids, student=student, seq_length=2 * args.seq_length,  # noqa
-                                                 num_rows=len(source), seed=0)
+            make = lambda: KDRows(row_kind(reader, seq_length=2 * args.seq_length, student=student,  # noqa: E731
+                                           alignments="memory"), ids, num_rows=len(source), seed=0)
             modes = {"aligned on first read": lambda data: None,
-                     "prepare() (batch encode) first": lambda data: data.alignments.prepare(ids),
-                     "sidecar load first": lambda data: data.alignments.load(sidecar)}
+                     "prepare() (batch encode) first": lambda data: data.kind.alignments.prepare(ids),
+                     "sidecar load first": lambda data: data.kind.alignments.load(sidecar)}
             StudentAlignments(reader, student).save(sidecar)
             for mode, setup in modes.items():
                 first, steady, data = passes(make, setup)
                 if mode == "aligned on first read":
                     rows = [data[i] for i in range(len(source))]
-                    labels = sum(float(r["loss_mask"].sum()) for r in rows)
-                    chunked = sum(int((r["chunk_ids"] >= 0).sum()) for r in rows)
-                    paired = sum(int((r["pair_positions"] >= 0).sum()) for r in rows)
-                print(f"| CrossTokenizerDataset, student {name}, {mode} | {labels / tokens:.3f} "
-                      f"| {chunked / labels:.3f} | {paired / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
+                    labels = sum(float(r.loss_mask.sum()) for r in rows)
+                    segmented = sum(int((r.teacher.segment_ids >= 0).sum()) for r in rows)
+                    paired = sum(int((r.teacher.pair_positions >= 0).sum()) for r in rows)
+                print(f"| cross-tokenizer rows, student {name}, {mode} | {labels / tokens:.3f} "
+                      f"| {segmented / labels:.3f} | {paired / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
                       f"| {steady:,.0f} | {steady / base:.2f} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)

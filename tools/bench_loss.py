@@ -82,18 +82,18 @@ def _floor(hidden, weight, chunk, recompute):
 def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, loss_mask):
     import torch
 
-    from megatron_kd_plugin.loss import topk_kd_loss
+    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = args.chunk_bytes or DEFAULT_CHUNK_BYTES["cpu"]
     if variant == "teacher_side":
+        from megatron_kd_plugin.loss.chunk_loop import LossPlan, prepare_batch
         from megatron_kd_plugin.loss.options import KDLossOptions
-        from megatron_kd_plugin.loss.plan import LossPlan, prepare_batch
         from megatron_kd_plugin.loss.tp import resolve_shard
 
         plan = LossPlan(options=KDLossOptions(chunk_bytes=args.chunk_bytes), shard=resolve_shard(None, args.vocab),
                         dtype=torch.float32, with_labels=False)
-        prepare_batch(plan, teacher_ids, teacher_logprobs, loss_mask, None)
+        prepare_batch(plan, TopKTeacher(teacher_ids, teacher_logprobs), loss_mask, None)
         return
     if variant.startswith("floor"):
         _floor(hidden, weight, max(1, chunk_bytes // (args.vocab * 4)), recompute=variant == "floor_4mm")
@@ -112,7 +112,7 @@ def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, l
         options["tail"] = "renorm"
     else:
         options["mode"] = variant.removeprefix("fused_")
-    result = topk_kd_loss(hidden, weight, teacher_ids, teacher_logprobs, loss_mask=loss_mask, **options)
+    result = topk_kd_loss(hidden, weight, TopKTeacher(teacher_ids, teacher_logprobs), loss_mask=loss_mask, **options)
     result.loss_sum.backward()
 
 

@@ -88,10 +88,10 @@ def _inputs(T, V, args, device):
 
 def _loss_step(inputs, impl, kernels, args):
     """One forward + backward; ``kernels`` (the fused loss's chunk backend) is ignored by the references."""
-    from megatron_kd_plugin.loss import topk_kd_loss
+    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 
     hidden, weight, teacher_ids, teacher_logprobs = inputs
-    result = topk_kd_loss(hidden, weight, teacher_ids, teacher_logprobs, impl=impl, mode=args.mode,
+    result = topk_kd_loss(hidden, weight, TopKTeacher(teacher_ids, teacher_logprobs), impl=impl, mode=args.mode,
                           kernels=kernels, chunk_bytes=args.chunk_bytes, validate=False)
     result.loss_sum.backward()
     hidden.grad = weight.grad = None

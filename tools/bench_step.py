@@ -119,7 +119,7 @@ def _build_student(args, seq_length, dtype):
 
 def _loss_processor(variant: str, chunk_bytes: int | None):
     """The ``output_processor`` of one variant: final hidden states [s, b, H] + lm_head -> a scalar to backward."""
-    from megatron_kd_plugin.loss import topk_kd_loss
+    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 
     def processor(*, hidden_states, output_layer, output_weight, context, **_):
         if variant == "student_only":
@@ -137,8 +137,9 @@ def _loss_processor(variant: str, chunk_bytes: int | None):
         else:
             options["mode"] = variant.removeprefix("fused_")
         weight = output_weight if output_weight is not None else output_layer.weight   # [V, H]
-        return topk_kd_loss(hidden_states, weight, context["teacher_ids"], context["teacher_logprobs"],
-                            loss_mask=context["loss_mask"], validate=False, **options).loss_sum
+        teacher = TopKTeacher(context["teacher_ids"], context["teacher_logprobs"])
+        return topk_kd_loss(hidden_states, weight, teacher, loss_mask=context["loss_mask"], validate=False,
+                            **options).loss_sum
 
     return processor
 

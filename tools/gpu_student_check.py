@@ -2,7 +2,7 @@
 
 On one GPU: a random megatron-core GPTModel teacher (local layers) writes a top-K cache (``write_cache``); a smaller
 GPTModel student (local layers, bf16 through ``Float16Module``, megatron-core DDP + distributed optimizer with the
-recipes' overlapped grad reduce / param gather) trains on ``TopKCacheDataset`` rows through ``kd_forward_step``
+recipes' overlapped grad reduce / param gather) trains on top-K rows (``KDRows``) through ``kd_forward_step``
 under megatron-core's own schedule (``get_forward_backward_func()`` = ``forward_backward_no_pipelining``). Prints
 the per-iteration KD loss and the peak GPU memory; exits 1 unless the loss falls.
 
@@ -91,9 +91,8 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_kd_plugin.bridge.dataset import TopKCacheDataset
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
-    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache import KDRows, TopKCacheReader, row_kind
     from megatron_kd_plugin.cpu_compat import megatron_optimizer_on_cpu
     from megatron_kd_plugin.loss import KDLossOptions
 
@@ -112,11 +111,11 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
 
     reader = TopKCacheReader(store)
     rows = iterations * micro_batch * num_microbatches
-    dataset = TopKCacheDataset(reader, np.arange(samples), seq_length=seq, num_rows=rows, seed=0)
+    dataset = KDRows(row_kind(reader, seq_length=seq), np.arange(samples), num_rows=rows, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch)
     data_iterator = iter(loader)
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(
-        kd=types.SimpleNamespace(options=KDLossOptions), rerun_state_machine=types.SimpleNamespace(
+        kd=KDLossOptions(), rerun_state_machine=types.SimpleNamespace(
             check_for_nan_in_loss=True)))
     step = functools.partial(kd_forward_step, state)
     forward_backward = get_forward_backward_func()

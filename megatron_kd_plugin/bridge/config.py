@@ -1,12 +1,11 @@
-"""The KD section of a Megatron-Bridge config: loss options Bridge's overrides can set, and the container holding it.
+"""A KD run's Megatron-Bridge config: Bridge's ``ConfigContainer`` plus the ``kd`` section, the loss's own options.
 
-    cfg = KDConfigContainer(model=..., dataset=TopKCacheDatasetProvider(...), kd=KDConfig(temperature=2.0), ...)
+    cfg = KDConfigContainer(model=..., dataset=TopKCacheDatasetProvider(...), kd=KDLossOptions(temperature=2.0), ...)
     process_config_with_overrides(cfg, cli_overrides=["kd.alpha=0.5"])   # Bridge's Hydra-style overrides
 
-``KDConfig`` mirrors ``megatron_kd_plugin.loss.KDLossOptions`` field for field (their meanings are documented there,
-once), plus ``token_weight``, which only the cross-tokenizer loss reads. It exists because Bridge applies overrides
-with ``setattr`` and the loss's options are frozen: a frozen section would silently ignore ``kd.temperature=2``.
-``KDConfig.options()`` builds (and so validates) the frozen options the loss receives.
+``cfg.kd`` is a ``megatron_kd_plugin.loss.KDLossOptions`` (its fields are documented there, once); Bridge's overrides
+set its fields one by one, so it is checked again, with the store and the model, before step one
+(``check_kd_config``).
 """
 
 from __future__ import annotations
@@ -19,69 +18,22 @@ from megatron.bridge.utils.common_utils import get_world_size_safe
 from megatron_kd_plugin.bridge.context_parallel import check_cp_seq_length
 from megatron_kd_plugin.bridge.forward_step import check_no_mtp
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
-from megatron_kd_plugin.loss.options import KDLossOptions
-
-_DEFAULTS = KDLossOptions()
-
-
-@dataclasses.dataclass(kw_only=True)
-class KDConfig:
-    """Top-K distillation loss options (see ``KDLossOptions`` for each field's meaning)."""
-
-    tail: str = _DEFAULTS.tail
-    """``ghost`` | ``none`` | ``renorm``: the teacher's mass outside its top-K; ``sampled``: the store holds drawn ids
-    with importance weights (a sampled cache), an unbiased estimate of the full forward KL (needs
-    divergence=forward_kl, temperature=1)."""
-    divergence: str = _DEFAULTS.divergence
-    """``forward_kl`` | ``reverse_kl`` | ``jsd``."""
-    jsd_beta: float = _DEFAULTS.jsd_beta
-    """beta of JSD_beta, in (0, 1)."""
-    temperature: float = _DEFAULTS.temperature
-    """tau > 0 (KD term scaled by tau^2)."""
-    alpha: float = _DEFAULTS.alpha
-    """alpha * tau^2 * KD + (1 - alpha) * CE; alpha < 1 adds the hard-label ``lm loss``."""
-    impl: str = _DEFAULTS.impl
-    """``fused`` (the product) | ``forward_chunked`` | ``dense`` (reference only: builds [T, V])."""
-    mode: str = _DEFAULTS.mode
-    """``recompute`` | ``grad_in_forward`` (fused only)."""
-    kernels: str = _DEFAULTS.kernels
-    """``auto`` | ``torch`` | ``triton``: who does the fused loss's per-chunk vocab work."""
-    chunk_bytes: int | None = _DEFAULTS.chunk_bytes
-    """Per-chunk working-buffer budget in bytes; None: the loss's default."""
-    validate: bool = _DEFAULTS.validate
-    """Check the teacher's values up front on every call (one host sync)."""
-    mass_tolerance: float = _DEFAULTS.mass_tolerance
-    """How far the teacher's top-K mass may exceed 1 before it is an error."""
-    token_weight: float = 0.0
-    """Cross-tokenizer students only (``dataset.student_tokenizer``): gamma in [0, 1], the token-level term's share of
-    the teacher's part (``megatron_kd_plugin.loss.cross_tokenizer``): the top-K loss at the pair tokens with weight
-    gamma, the ALM chunk term with 1 - gamma, each token's CE with what alpha leaves of it; 0: the ALM chunk term
-    alone, 1: the token-level term alone (the cross-tokenizer recipes' choice)."""
-
-    def options(self) -> KDLossOptions:
-        """The frozen, validated options for ``topk_kd_loss`` (raises ValueError on a bad value)."""
-        return KDLossOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(KDLossOptions)})
-
-    def finalize(self) -> None:
-        """Validate now, before step one."""
-        self.options()
-        if not 0.0 <= self.token_weight <= 1.0:
-            raise ValueError(f"kd.token_weight={self.token_weight!r}: expected 0 <= token_weight <= 1")
+from megatron_kd_plugin.loss import KDLossOptions
 
 
 @dataclasses.dataclass(kw_only=True)
 class KDConfigContainer(ConfigContainer):
     """Bridge's ``ConfigContainer`` plus the ``kd`` section read by ``kd_forward_step``."""
 
-    kd: KDConfig | None = None
-    """Top-K distillation loss options; required. (None only when a loader dropped the section, which is refused:
+    kd: KDLossOptions | None = None
+    """The KD loss's options; required. (None only when a loader dropped the section, which is refused:
     Bridge's ``ConfigContainer.from_yaml`` keeps only ``ConfigContainer``'s own fields, yet instantiates the
     ``_target_`` class, so a KD YAML would otherwise come back with default loss options.)"""
 
     def __post_init__(self) -> None:
         if self.kd is None:
             raise ValueError("KDConfigContainer without its kd section: ConfigContainer.from_yaml drops it (lenient "
-                             "mode); load a KD config with KDConfigContainer.from_yaml, or pass kd=KDConfig(...)")
+                             "mode); load a KD config with KDConfigContainer.from_yaml, or pass kd=KDLossOptions(...)")
 
     def validate(self) -> None:
         """Bridge's validation, then ``check_kd_config`` (Bridge's ``runtime_config_update`` calls this).
@@ -98,17 +50,18 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished top-K cache
-    whose K is the expected one, whose vocabulary fits the student's and whose seq_length is a multiple of the student's (= the dataset's), and
-    whose mode matches ``kd.tail`` (a sampled store needs tail="sampled", and tail="sampled" a sampled store);
-    with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
-    KD step does not handle, are off. A cross-tokenizer student (``dataset.student_tokenizer``) needs a store with the
-    cross-tokenizer arrays, its tokenizer inside model.vocab_size, and no context parallelism (the tail/mode check
-    does not apply; kd.token_weight > 0 needs a top-K store, and is refused for a same-tokenizer student).
+    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished cache whose
+    rows fit the student (``TopKCacheDatasetProvider.row_kind``: K, vocabulary, seq_length a multiple of the
+    student's, which is the dataset's) and the loss options and parallelism (``RowKind.check``: e.g. a sampled store
+    needs kd.tail='sampled', a cross-tokenizer student no context parallelism); with context parallelism 2·cp
+    divides seq_length; virtual pipelines and multi-token-prediction heads, which the KD step does not handle, are
+    off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
-    cfg.kd.finalize()
+    if not isinstance(cfg.kd, KDLossOptions):
+        raise ValueError(f"cfg.kd is a {type(cfg.kd).__name__}; a KD run needs megatron_kd_plugin.loss.KDLossOptions")
+    cfg.kd.check()
     model = cfg.model
     if model.seq_length != cfg.dataset.seq_length:
         raise ValueError(f"model.seq_length={model.seq_length} != dataset.seq_length={cfg.dataset.seq_length}: "
@@ -119,22 +72,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
                          " the KD step supports only None")
     check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
-    reader = cfg.dataset.open_validated(vocab_size=model.vocab_size)
-    if cfg.dataset.student_table(reader) is not None:             # cross-tokenizer rows: the ALM chunk loss
-        if model.context_parallel_size > 1:
-            raise ValueError(f"model.context_parallel_size={model.context_parallel_size} with a cross-tokenizer "
-                             "student (dataset.student_tokenizer): chunks would be split across CP ranks; use 1")
-        if cfg.kd.token_weight > 0 and reader.spec.mode == "sampled":
-            raise ValueError(f"kd.token_weight={cfg.kd.token_weight} needs the teacher's top-K, and "
-                             f"{cfg.dataset.cache_path} is a sampled store; write it without --sample")
-        return
-    if cfg.kd.token_weight > 0:
-        raise ValueError(f"kd.token_weight={cfg.kd.token_weight} is for cross-tokenizer students: set "
-                         "dataset.student_tokenizer to the student's tokenizer, or kd.token_weight=0")
-    mode = reader.spec.mode
-    if (mode == "sampled") != (cfg.kd.tail == "sampled"):
-        raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "
-                         "store needs kd.tail='sampled', and kd.tail='sampled' a store written with --sample N")
+    cfg.dataset.row_kind(vocab_size=model.vocab_size).check(cfg.kd,
+                                                             context_parallel_size=model.context_parallel_size)
 
 
 def check_parallel_sizes_divide_world(model) -> None:

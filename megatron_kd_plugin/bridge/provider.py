@@ -3,21 +3,16 @@
     cfg.dataset = TopKCacheDatasetProvider(cache_path="cache.zarr", seq_length=4096)
 
 Bridge calls ``build_datasets(context)`` during setup with the sample counts its samplers will draw; every split is
-a ``TopKCacheDataset`` (rows are a pure function of (seed, row), so resuming at ``consumed_samples`` keeps rows
-aligned). The store is checked before step one: finished, K as expected, its seq_length a multiple of the
-student's (and, through ``check_kd_config``, its vocabulary inside the student's).
-
-With ``student_tokenizer`` (a tokenizer.json, or the student's HF tokenizer / checkpoint folder) of another identity
-than the store's tokenizer, every split is a ``CrossTokenizerDataset`` instead (issue #18): each cached sample is
-re-tokenised by the student and cut at a chunk boundary to ``seq_length``; the store must be a cross-tokenizer one
-(``cache --cross-tokenizer``). The alignments are computed once per store and student tokenizer and kept in a
-memory-mapped sidecar folder beside the store (``student_alignments``).
+a ``cache.KDRows`` over the rows of the store's kind (``cache.row_kind``: top-K, sampled, or, with a
+``student_tokenizer`` of another identity than the store's tokenizer, cross-tokenizer rows), so resuming at
+``consumed_samples`` keeps rows aligned. The store is checked before step one (``row_kind``, through
+``check_kd_config``): finished, K as expected, its ids inside the student's vocabulary, its seq_length a multiple of
+the student's (cross-tokenizer rows: the student tokenizer inside the student's vocabulary).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -26,8 +21,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 import numpy as np
 
-from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset, TopKCacheDataset
-from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache import KDRows, RowKind, TokenBytes, TopKCacheReader, row_kind
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -58,11 +52,11 @@ class TopKCacheDatasetProvider(DatasetProvider):
     student_tokenizer: str | None = None
     """The student's tokenizer (a tokenizer.json, or a folder holding one: its HF tokenizer or checkpoint folder)
     when it differs from the teacher's: the rows are then re-tokenised and aligned (cross-tokenizer distillation,
-    ``CrossTokenizerDataset``; seq_length need not divide the cache's). None, or the store's own tokenizer: the
+    ``cache.cross_tokenizer_rows``; seq_length need not divide the cache's). None, or the store's own tokenizer: the
     teacher's tokens and top-K as they are."""
 
     student_alignments: str = "sidecar"
-    """Cross-tokenizer rows: where each cached sample's student tokenization and chunks come from
+    """Cross-tokenizer rows: where each cached sample's student tokenization and segments come from
     (``cache.student_alignments``). ``sidecar``: the folder ``<store>.align-<tokenizer hash>`` beside the store,
     memory-mapped (one copy per machine in the page cache), or, when absent or of another store/tokenizer, computed
     for the whole store (batch encode, a progress bar) before step one by the first process to take its lock, written
@@ -80,56 +74,22 @@ class TopKCacheDatasetProvider(DatasetProvider):
         if self.student_alignments not in ("sidecar", "memory"):
             raise ValueError(f"dataset.student_alignments={self.student_alignments!r}: expected 'sidecar' or 'memory'")
 
-    def student_table(self, reader: TopKCacheReader, vocab_size: int | None = None):
-        """The student tokenizer's ``TokenBytes`` when the rows are cross-tokenizer ones (``student_tokenizer`` of
-        another identity than the store's tokenizer), else None; ValueError for a missing tokenizer file, a student
-        tokenizer larger than ``vocab_size``, or a store without the cross-tokenizer arrays."""
-        if self.student_tokenizer is None:
-            return None
-        from megatron_kd_plugin.cache import TokenBytes
-
-        student = TokenBytes.load(self.student_tokenizer)
-        if student.identity == reader.spec.tokenizer:
-            return None
-        reader.vocab_table()                        # refuses a store without the arrays, naming the cache option
-        if vocab_size is not None and len(student.strings) > vocab_size:
-            raise ValueError(f"dataset.student_tokenizer={self.student_tokenizer} has {len(student.strings)} ids, more "
-                             f"than the student's vocab_size={vocab_size}")
-        return student
-
-    def open_validated(self, *, vocab_size: int | None = None) -> TopKCacheReader:
-        """Open the store and check it against this provider and the student's ``vocab_size`` (if given: every
-        teacher id, or with a cross-tokenizer student every student id, must lie below it); ValueError if not.
-        ``check_kd_config`` passes the model's."""
+    def row_kind(self, *, vocab_size: int | None = None) -> RowKind:
+        """The store opened and its rows' kind looked up for this student, checked against this provider and the
+        student's ``vocab_size`` (if given; ``check_kd_config`` passes the model's); ValueError if they do not fit."""
         reader = TopKCacheReader(self.cache_path)   # refuses an unfinished store
-        if self.student_table(reader, vocab_size) is not None:
-            reader.validate(k=self.k)
-        else:
-            reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=self.k)
-        return reader
-
-    def alignments(self, reader: TopKCacheReader, student):
-        """The ``StudentAlignments`` the splits share (``student_alignments``)."""
-        from megatron_kd_plugin.cache import StudentAlignments, load_or_write, sidecar_path
-
-        alignments = StudentAlignments(reader, student)
-        if self.student_alignments == "sidecar":
-            path = sidecar_path(reader, student)
-            try:
-                load_or_write(alignments, path)
-            except OSError as error:                 # a read-only folder or file system
-                warnings.warn(f"{path}: not written ({error}); the student alignments are computed on first use and "
-                              "kept in memory", stacklevel=2)
-        return alignments
+        student = None if self.student_tokenizer is None else TokenBytes.load(self.student_tokenizer)
+        kind = row_kind(reader, seq_length=self.seq_length, student=student, alignments=self.student_alignments)
+        kind.validate(vocab_size=vocab_size, k=self.k)
+        return kind
 
     def build_datasets(self, context: DatasetBuildContext):
-        """(train, valid, test) ``TopKCacheDataset``s with the sample counts Bridge asks for (None if 0)."""
-        reader = self.open_validated()
-        student = self.student_table(reader)
+        """(train, valid, test) ``KDRows`` with the sample counts Bridge asks for (None if 0)."""
+        kind = self.row_kind()
+        kind.prepare()
         bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
-        n = reader.spec.num_samples
+        n = kind.reader.spec.num_samples
         counts = (context.train_samples, context.valid_samples, context.test_samples)
-        alignments = None if student is None else self.alignments(reader, student)
         datasets = []
         for index, (bound, rows) in enumerate(zip(bounds, counts)):
             if bound is None or not rows:
@@ -139,11 +99,5 @@ class TopKCacheDatasetProvider(DatasetProvider):
             if index and len(sample_ids) == 0:
                 datasets.append(None)   # an empty eval split: Bridge then skips evaluation
                 continue
-            if student is not None:
-                datasets.append(CrossTokenizerDataset(reader, sample_ids, student=student, seq_length=self.seq_length,
-                                                      num_rows=rows, seed=self.seed + index, shuffle=self.shuffle,
-                                                      alignments=alignments))
-                continue
-            datasets.append(TopKCacheDataset(reader, sample_ids, seq_length=self.seq_length, num_rows=rows,
-                                             seed=self.seed + index, shuffle=self.shuffle))
+            datasets.append(KDRows(kind, sample_ids, num_rows=rows, seed=self.seed + index, shuffle=self.shuffle))
         return tuple(datasets)

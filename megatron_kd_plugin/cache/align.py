@@ -6,32 +6,33 @@ token i ends at byte e_i = sum_{i' <= i} len(token i'). The window may start or 
 cut from a token stream): the student reads X[u:w], the longest valid UTF-8 text after at most 3 leading
 continuation bytes. The student tokenises it into n tokens; student token j ends at byte b_j (offset u added).
 
-Chunks (the finest common segmentation): the common boundaries B = {e_i} ∩ {b_j}, sorted B_0 < B_1 < ...; chunk
-k >= 1 is the bytes (B_{k-1}, B_k]. A token (either side) with end e lies in chunk k(e) = the least k with B_k >= e.
-Chunk 0 holds token 0 of both sides, whose log-probs no model gives (nothing precedes them): it is not used, so
-every token of a used chunk has its log-prob on both sides. Per used chunk the teacher's log-likelihood is
+Segments (the finest common segmentation): the common boundaries B = {e_i} ∩ {b_j}, sorted B_0 < B_1 < ...; segment
+k >= 1 is the bytes (B_{k-1}, B_k]. A token (either side) with end e lies in segment k(e) = the least k with B_k >= e.
+Segment 0 holds token 0 of both sides, whose log-probs no model gives (nothing precedes them): it is not used, so
+every token of a used segment has its log-prob on both sides. Per used segment the teacher's log-likelihood is
 t_k = sum of teacher_realised_logprob[i - 1] over the teacher tokens i in it.
 
 Cut: the row holds at most seq_length + 1 student tokens. With more, it ends at the last boundary B_K whose student
-token j_K <= seq_length: tokens 0..j_K are kept, chunks 1..K used, nothing after B_K (never mid-chunk). Student
+token j_K <= seq_length: tokens 0..j_K are kept, segments 1..K used, nothing after B_K (never mid-segment). Student
 tokens after the last common boundary (a window's ragged end) are dropped too. With no common boundary within
-reach the row holds the first seq_length + 1 tokens with no chunk (CE only).
+reach the row holds the first seq_length + 1 tokens with no segment (CE only).
 
-Row (student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens - 1):
-    tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m,
-    chunk_ids [S_s] int64: k(b_{p+1}) - 1 for used chunks, else -1,
-    teacher_chunk_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
+Row (a ``rows.KDRow``; student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens
+- 1): tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m, and the
+teacher, a ``CrossTokenizerTeacher``:
+    segment_ids [S_s] int64: k(b_{p+1}) - 1 for used segments, else -1,
+    segment_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
 
-Pairs (the token-level term's positions): a used chunk k made of one teacher token i and one student token j of
+Pairs (the token-level term's positions): a used segment k made of one teacher token i and one student token j of
 the same string (``identical_strings``: the student id of each teacher token's string) pairs row position p = j - 1
 with cache position i - 1 (the distribution the teacher predicted token i from, after the same bytes the student
-read before token j). The row holds the sample's top-K once, mapped to the student's ids of identical strings, and
-each position's pair (``pair_topk`` expands them to [S_s, K] on the model's device):
+read before token j). The teacher holds the sample's top-K once, mapped to the student's ids of identical strings,
+and each position's pair (the loss expands them to [S_s, K] on the model's device: ``loss.cross_tokenizer_loss``):
     pair_positions [S_s] int64: i - 1 at a pair position p, -1 elsewhere,
-    pair_teacher_ids [S, K] int32: vocab_map[cached ids] (0 where unmapped),
-    pair_teacher_logprobs [S, K] float32: the cached log-probs, -inf where unmapped.
+    pair_ids [S, K] int32: vocab_map[cached ids] (0 where unmapped),
+    pair_logprobs [S, K] float32: the cached log-probs, -inf where unmapped (K = 0 for a store without a top-K).
 
-Two steps: ``align_sample`` (the encode and the chunk indices k(b_j), k(e_i): no seq_length, no log-probs; what
+Two steps: ``align_sample`` (the encode and the segment indices k(b_j), k(e_i): no seq_length, no log-probs; what
 ``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
 """
 
@@ -42,12 +43,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from megatron_kd_plugin.cache.rows import KDRow
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
-
-CHUNK_IDS, CHUNK_LOGPROBS = "chunk_ids", "teacher_chunk_logprobs"
-PAIR_POSITIONS, PAIR_IDS, PAIR_LOGPROBS = "pair_positions", "pair_teacher_ids", "pair_teacher_logprobs"
-PAIR_KEYS = (PAIR_POSITIONS, PAIR_IDS, PAIR_LOGPROBS)
-"""A cross-tokenizer row's pair arrays (module docstring)."""
+from megatron_kd_plugin.loss import CrossTokenizerTeacher
 
 
 def identical_strings(teacher: TokenBytes, student: TokenBytes) -> np.ndarray:
@@ -123,16 +121,16 @@ def _drop_prefix_spaces(student: TokenBytes, ids: np.ndarray, want: np.ndarray) 
 
 @dataclasses.dataclass(frozen=True)
 class SampleAlignment:
-    """One cached sample re-tokenised by the student and cut into chunks, for any seq_length (module docstring;
-    chunk indices are 0-based indices k into B: a token with end e lies in chunk k(e); k = num_boundaries for the
+    """One cached sample re-tokenised by the student and cut into segments, for any seq_length (module docstring;
+    segment indices are 0-based indices k into B: a token with end e lies in segment k(e); k = num_boundaries for the
     tokens after the last common boundary). What a reader keeps per sample: ~4.5 B per student token plus 4 per
     teacher token."""
 
     ids: np.ndarray
     """int32 [n]: the student's ids of the sample's text."""
-    student_chunks: np.ndarray
+    student_segments: np.ndarray
     """int32 [n]: k(b_j), non-decreasing."""
-    teacher_chunks: np.ndarray
+    teacher_segments: np.ndarray
     """int32 [S]: k(e_i) of teacher tokens i = 1..S (the tokens with a realised log-prob)."""
     num_boundaries: int
     """|B|."""
@@ -156,45 +154,50 @@ def align_sample(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *
 
 
 def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq_length: int,
-                  topk: TeacherTopK | None = None) -> dict[str, torch.Tensor]:
+                  topk: TeacherTopK | None = None) -> KDRow:
     """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]; with ``topk`` the
-    pair arrays too."""
-    ids, student_k = alignment.ids, alignment.student_chunks
+    pairs' top-K too (else K = 0)."""
+    ids, student_k = alignment.ids, alignment.student_segments
     # the cut: K = the last boundary whose student token index is <= seq_length
     token_at = np.searchsorted(student_k, np.arange(alignment.num_boundaries), side="right") - 1   # token ending at B_k
     last = int(np.searchsorted(token_at, seq_length, side="right")) - 1                         # K
     m = max(int(token_at[last]) if last >= 0 else min(len(ids) - 1, seq_length), 0)
-    row_chunks = np.full(seq_length, -1, dtype=np.int64)
-    chunk_logprobs = np.zeros(seq_length, dtype=np.float64)
+    row_segments = np.full(seq_length, -1, dtype=np.int64)
+    segment_logprobs = np.zeros(seq_length, dtype=np.float64)
     if last >= 1:
-        labels_k = student_k[1:m + 1]                                                  # chunk of tokens 1..m
-        row_chunks[:m] = np.where((labels_k >= 1) & (labels_k <= last), labels_k - 1, -1)
-        teacher_k = alignment.teacher_chunks
+        labels_k = student_k[1:m + 1]                                                  # segment of tokens 1..m
+        row_segments[:m] = np.where((labels_k >= 1) & (labels_k <= last), labels_k - 1, -1)
+        teacher_k = alignment.teacher_segments
         used = (teacher_k >= 1) & (teacher_k <= last)
-        np.add.at(chunk_logprobs, teacher_k[used] - 1, np.asarray(realised_logprobs, dtype=np.float64)[used])
+        np.add.at(segment_logprobs, teacher_k[used] - 1, np.asarray(realised_logprobs, dtype=np.float64)[used])
     row_tokens = np.zeros(seq_length, dtype=np.int64)
     labels = np.zeros(seq_length, dtype=np.int64)
     row_tokens[:m], labels[:m] = ids[:m], ids[1:m + 1]
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     loss_mask[:m] = 1.0
-    row = {"tokens": torch.from_numpy(row_tokens), "labels": torch.from_numpy(labels),
-           "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(seq_length, dtype=torch.long),
-           CHUNK_IDS: torch.from_numpy(row_chunks),
-           CHUNK_LOGPROBS: torch.from_numpy(chunk_logprobs.astype(np.float32))}
     if topk is not None:
-        row.update(_pair_arrays(alignment, topk, last, seq_length))
-    return row
+        positions, pair_ids, pair_logprobs = _pair_arrays(alignment, topk, last, seq_length)
+    else:
+        positions = torch.full((seq_length,), -1, dtype=torch.int64)
+        pair_ids = torch.zeros(len(realised_logprobs), 0, dtype=torch.int32)
+        pair_logprobs = torch.zeros(len(realised_logprobs), 0, dtype=torch.float32)
+    teacher = CrossTokenizerTeacher(torch.from_numpy(row_segments),
+                                    torch.from_numpy(segment_logprobs.astype(np.float32)), positions, pair_ids,
+                                    pair_logprobs)
+    return KDRow(torch.from_numpy(row_tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask),
+                 torch.arange(seq_length, dtype=torch.long), teacher)
 
 
 def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
-                 seq_length: int) -> dict[str, torch.Tensor]:
-    """The pair arrays (module docstring) of the used chunks 1..``last``."""
-    chunks = np.arange(1, max(last, 0) + 1)
-    student_k, teacher_k = alignment.student_chunks, alignment.teacher_chunks
-    first_student = np.searchsorted(student_k, chunks, side="left")                # j_k
-    first_teacher = np.searchsorted(teacher_k, chunks, side="left")                # i_k - 1 (teacher_k: tokens 1..S)
-    single = (np.searchsorted(student_k, chunks, side="right") - first_student == 1) & \
-        (np.searchsorted(teacher_k, chunks, side="right") - first_teacher == 1)
+                 seq_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair_positions [S_s], pair_ids [S, K], pair_logprobs [S, K]) (module docstring) of the used segments
+    1..``last``."""
+    segments = np.arange(1, max(last, 0) + 1)
+    student_k, teacher_k = alignment.student_segments, alignment.teacher_segments
+    first_student = np.searchsorted(student_k, segments, side="left")                # j_k
+    first_teacher = np.searchsorted(teacher_k, segments, side="left")                # i_k - 1 (teacher_k: tokens 1..S)
+    single = (np.searchsorted(student_k, segments, side="right") - first_student == 1) & \
+        (np.searchsorted(teacher_k, segments, side="right") - first_teacher == 1)
     student_ids = alignment.ids[np.minimum(first_student, len(alignment.ids) - 1)]
     teacher_ids = topk.tokens[np.minimum(first_teacher + 1, len(topk.tokens) - 1)]
     pairs = single & (topk.vocab_map[teacher_ids] == student_ids)
@@ -204,24 +207,12 @@ def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
     logprobs = topk.logprobs.astype(np.float32)                                    # a copy
     np.copyto(logprobs, -np.inf, where=mapped < 0)
     np.maximum(mapped, 0, out=mapped)
-    return {PAIR_POSITIONS: torch.from_numpy(positions), PAIR_IDS: torch.from_numpy(mapped),
-            PAIR_LOGPROBS: torch.from_numpy(logprobs)}
-
-
-def pair_topk(positions: torch.Tensor, ids: torch.Tensor,
-              logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each student position's pair, expanded: ``pair_positions`` [b, S_s], ``pair_teacher_ids`` /
-    ``pair_teacher_logprobs`` [b, S, K] -> (teacher_ids, teacher_logprobs) [b, S_s, K] in the student's ids, -inf
-    (and id 0) at the positions without a pair (what ``loss.cross_tokenizer`` takes, transposed to [s, b, K])."""
-    index = positions.clamp(min=0)[..., None].expand(-1, -1, ids.shape[-1])         # [b, S_s, K]
-    none = (positions < 0)[..., None]
-    return (ids.gather(1, index).masked_fill(none, 0),
-            logprobs.gather(1, index).masked_fill(none, -torch.inf))
+    return torch.from_numpy(positions), torch.from_numpy(mapped), torch.from_numpy(logprobs)
 
 
 def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
                         seq_length: int, *, topk: tuple[np.ndarray, np.ndarray] | None = None,
-                        where: str = "sample") -> dict[str, torch.Tensor]:
+                        where: str = "sample") -> KDRow:
     """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
     ``realised_logprobs`` [S]; ``topk``: the cached (ids, logprobs) [S, K] for the pair arrays; ``where`` names the
     sample in errors."""

@@ -46,11 +46,11 @@ round-trip KL of 3-6e-4 nats, against ~100 B/token and ~2e-5 for the fp16 bit-ro
 (``fp16-bitround7``) it replaced, which stays readable and writable (docs/cache.md).
 
 Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issue #8): the same arrays with K = N
-draws per token from the proposal q ∝ p^(1/t) (``sample.py``): ``teacher_ids`` holds the N drawn ids sorted
+draws per token from the proposal q ∝ p^(1/t) (``draws.py``): ``teacher_ids`` holds the N drawn ids sorted
 ascending with duplicates kept (a repeat delta-codes to 0, so the multiplicity costs ~nothing; this measured
 smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` the teacher's l of each (same
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
-computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``sample.sample_weights``).
+computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``draws.draw_weights``).
 
 Top-p stores (``top_p`` set, ``cache --top-p P --min-k M``, issue #21, format version 4): K is the cap; row t keeps
 the smallest prefix of the teacher's ranked top-K whose mass reaches P, at least M ids (``topk.top_p_mask``), and
@@ -134,7 +134,7 @@ ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, REALISED_LOGPROB, 
           SHARD_DONE)
 VOCAB_TABLE = (VOCAB_OFFSETS, VOCAB_BYTES)
 """The arrays stored once per store (one chunk each, not per sample)."""
-SAMPLE_WEIGHTS = "teacher_sample_weights"
+DRAW_WEIGHTS = "teacher_draw_weights"
 """The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
 
 
@@ -200,7 +200,7 @@ class CacheSpec:
     store_logsumexp: bool = False
     """Also store the teacher's full-vocab logsumexp per token."""
     mode: str = "topk"
-    """``topk``: the K most likely ids; ``sampled``: N ids drawn from q ∝ p^(1/t) (``sample.py``)."""
+    """``topk``: the K most likely ids; ``sampled``: N ids drawn from q ∝ p^(1/t) (``draws.py``)."""
     proposal_temperature: float = 1.0
     """t of the sampled mode's proposal (1 in the top-K mode)."""
     sample_seed: int = 0

@@ -2,8 +2,8 @@
 
 ``reader[i]`` is sample i: ``tokens`` int64 ``[S+1]``, ``teacher_ids`` int64 ``[S, K]`` (sorted ascending per
 row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
-a sampled store (K = N draws) also carry ``teacher_sample_weights`` float32 ``[S, K]``, the importance weights
-w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``sample.sample_weights``.
+a sampled store (K = N draws) also carry ``teacher_draw_weights`` float32 ``[S, K]``, the importance weights
+w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``draws.draw_weights``.
 A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
 ``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``).
 ``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
@@ -24,7 +24,7 @@ import torch
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.records import SampleReader
-from megatron_kd_plugin.cache.sample import sample_weights
+from megatron_kd_plugin.cache.draws import draw_weights
 
 
 class TopKCacheReader:
@@ -105,7 +105,7 @@ class TopKCacheReader:
                 out[name] = torch.from_numpy(arrays[name][begin:end].astype(np.float32))
         if self.spec.mode == "sampled":
             lognorm = arrays.get(fmt.PROPOSAL_LOGNORM)
-            out[fmt.SAMPLE_WEIGHTS] = sample_weights(
+            out[fmt.DRAW_WEIGHTS] = draw_weights(
                 out[fmt.LOGPROBS], None if lognorm is None else torch.from_numpy(lognorm[begin:end].copy()),
                 self.spec.proposal_temperature)
         return out

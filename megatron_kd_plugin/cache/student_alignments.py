@@ -1,4 +1,4 @@
-"""Each cached sample's student tokenization and chunks, computed once, and a memory-mapped sidecar of them.
+"""Each cached sample's student tokenization and segments, computed once, and a memory-mapped sidecar of them.
 
 A cross-tokenizer row (``align.py``) costs the student tokenizer's encode of the sample's text and the alignment
 (``align.align_sample``); both depend only on the sample's teacher tokens and the two tokenizers, not on the student's
@@ -11,8 +11,8 @@ in the page cache, one copy per machine whatever the number of processes reading
 Sidecar (``save`` / ``load``): a folder next to the store, never inside it (default ``<store>.align-<student
 hash>``, :func:`sidecar_path`), of raw little-endian arrays and their description::
 
-    ids.bin [sum n] int32, student_chunks.bin [sum n] int32, offsets.bin [N + 1] int64 (sample i:
-    [offsets[i], offsets[i+1])), teacher_chunks.bin [N, S] int32, num_boundaries.bin [N] int64,
+    ids.bin [sum n] int32, student_segments.bin [sum n] int32, offsets.bin [N + 1] int64 (sample i:
+    [offsets[i], offsets[i+1])), teacher_segments.bin [N, S] int32, num_boundaries.bin [N] int64,
     key.json: {"key": {"format", "store_identity", "student"}, "arrays": {name: {"dtype", "shape", "crc32c"}}}
 
 (the store's identity attribute, the SHA-256 of the student's ``tokenizer.json``). ``save`` streams it, ``BLOCK``
@@ -38,13 +38,14 @@ import google_crc32c
 import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.rows import KDRow
 from megatron_kd_plugin.cache.align import (SampleAlignment, TeacherTopK, align_sample, alignment_row,
                                             identical_strings, valid_text)
 
-SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/2"
+SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/3"
 BLOCK = 64
 """Samples per batch encode in ``prepare`` and ``save``."""
-SIDECAR_ARRAYS = {"ids": np.int32, "student_chunks": np.int32, "offsets": np.int64, "teacher_chunks": np.int32,
+SIDECAR_ARRAYS = {"ids": np.int32, "student_segments": np.int32, "offsets": np.int64, "teacher_segments": np.int32,
                   "num_boundaries": np.int64}
 _CRC_BLOCK = 64 * 2**20
 
@@ -97,8 +98,8 @@ class StudentAlignments:
         if self._mapped is not None:
             mapped = self._mapped
             begin, end = int(mapped["offsets"][sample]), int(mapped["offsets"][sample + 1])
-            return SampleAlignment(mapped["ids"][begin:end], mapped["student_chunks"][begin:end],
-                                   mapped["teacher_chunks"][sample], int(mapped["num_boundaries"][sample]))
+            return SampleAlignment(mapped["ids"][begin:end], mapped["student_segments"][begin:end],
+                                   mapped["teacher_segments"][sample], int(mapped["num_boundaries"][sample]))
         if tokens is None:
             tokens = self.reader.sample_arrays(sample, (fmt.TOKENS,))[fmt.TOKENS]
         alignment = self._alignments[sample] = align_sample(tokens, self.teacher, self.student,
@@ -110,7 +111,7 @@ class StudentAlignments:
         """int32 [V_teacher]: ``align.identical_strings`` of the two tokenizers (computed once)."""
         return identical_strings(self.teacher, self.student)
 
-    def row(self, sample: int, seq_length: int) -> dict:
+    def row(self, sample: int, seq_length: int) -> KDRow:
         """The student row of ``sample`` (``align.alignment_row``), with the pair arrays unless the store is a sampled
         one (its slots are draws, not a top-K): reads the sample's realised log-probs and top-K (and its tokens)."""
         pairs = self.reader.spec.mode != "sampled"
@@ -150,16 +151,16 @@ class StudentAlignments:
         temporary = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp"))
         try:
             offsets, boundaries = np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-            crcs = dict.fromkeys(("ids", "student_chunks", "teacher_chunks"), 0)
+            crcs = dict.fromkeys(("ids", "student_segments", "teacher_segments"), 0)
             with open(temporary / "ids.bin", "wb") as ids_file, \
-                    open(temporary / "student_chunks.bin", "wb") as chunks_file, \
-                    open(temporary / "teacher_chunks.bin", "wb") as teacher_file, \
+                    open(temporary / "student_segments.bin", "wb") as segments_file, \
+                    open(temporary / "teacher_segments.bin", "wb") as teacher_file, \
                     tqdm(total=n * seq, unit="tok", unit_scale=True, disable=not progress, file=sys.stderr,
                          desc=f"aligning {self.reader.path.name} to {self.student.identity}") as bar:
                 for sample, alignment in self._computed(range(n)):
                     for name, file, values in (("ids", ids_file, alignment.ids),
-                                               ("student_chunks", chunks_file, alignment.student_chunks),
-                                               ("teacher_chunks", teacher_file, alignment.teacher_chunks)):
+                                               ("student_segments", segments_file, alignment.student_segments),
+                                               ("teacher_segments", teacher_file, alignment.teacher_segments)):
                         data = np.ascontiguousarray(values, dtype=SIDECAR_ARRAYS[name]).tobytes()
                         file.write(data)
                         crcs[name] = google_crc32c.extend(crcs[name], data)
@@ -170,7 +171,7 @@ class StudentAlignments:
                 (temporary / f"{name}.bin").write_bytes(values.tobytes())
                 crcs[name] = _crc32c(values)
             total = int(offsets[-1])
-            shapes = {"ids": [total], "student_chunks": [total], "offsets": [n + 1], "teacher_chunks": [n, seq],
+            shapes = {"ids": [total], "student_segments": [total], "offsets": [n + 1], "teacher_segments": [n, seq],
                       "num_boundaries": [n]}
             arrays = {name: {"dtype": np.dtype(dtype).str, "shape": shapes[name], "crc32c": crcs[name]}
                       for name, dtype in SIDECAR_ARRAYS.items()}
@@ -247,7 +248,7 @@ class StudentAlignments:
                 raise ValueError(f"{damaged} ({file}: CRC32C mismatch); delete it to recompute")
             mapped[name] = values
         offsets = mapped["offsets"]
-        if mapped["teacher_chunks"].shape != (n, seq) or offsets.shape != (n + 1,) or offsets[0] != 0 or \
+        if mapped["teacher_segments"].shape != (n, seq) or offsets.shape != (n + 1,) or offsets[0] != 0 or \
                 offsets[-1] != len(mapped["ids"]) or np.any(np.diff(offsets) < 0):
             raise ValueError(f"{damaged} (its shapes or offsets do not match {self.reader.path}); delete it to "
                              "recompute")

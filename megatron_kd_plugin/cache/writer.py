@@ -1,7 +1,7 @@
 """Writes a teacher top-K store (format: ``format.py``) from a token source and a teacher's logits.
 
 Parallelism: every rank of a tensor-parallel group runs the teacher on the same micro-batch and gets the same
-top-K (``topk.py``) or the same draws (``sample.py``, uniforms from (sample_seed, sample index)); only its TP rank
+top-K (``topk.py``) or the same draws (``draws.py``, uniforms from (sample_seed, sample index)); only its TP rank
 0 writes. Data-parallel groups own disjoint, contiguous ranges of whole
 shards, so no two writers touch one file. Global rank 0 alone creates the store and rewrites its attributes.
 
@@ -40,7 +40,7 @@ from megatron_kd_plugin.cache.chunk_reader import REPAIR
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
-from megatron_kd_plugin.cache.sample import sample_uniforms, vocab_parallel_sample
+from megatron_kd_plugin.cache.draws import draw_uniforms, vocab_parallel_draws
 from megatron_kd_plugin.cache.topk import top_p_mask, vocab_parallel_label_logprobs, vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -209,7 +209,7 @@ def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int
     for a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
     if spec.mode == "sampled":
         s, b = logits.shape[:2]
-        draw = vocab_parallel_sample(logits, sample_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
+        draw = vocab_parallel_draws(logits, draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
                                      temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
                                      tp_group=tp_group)
         rows = {fmt.IDS: draw.ids, fmt.LOGPROBS: draw.logprobs, fmt.LOGSUMEXP: draw.logsumexp,

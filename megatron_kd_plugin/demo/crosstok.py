@@ -18,13 +18,13 @@ same text), steps and learning-rate schedule, each through ``train_on_cpu``:
     A-kd     tokenizer A, same-tokenizer top-K KD, ghost tail   (kd.alpha = ``alpha``)
     B-ce     tokenizer B, hard labels only                      (the cross-tokenizer rows, kd.alpha = 0)
     B-kd     tokenizer B, cross-tokenizer KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]`` (kd.alpha,
-             kd.temperature of the chunk term, kd.token_weight = GAMMA: 0 the ALM chunk term alone, 1 the
+             kd.temperature of the segment term, kd.token_weight = GAMMA: 0 the ALM segment term alone, 1 the
              token-level term alone, the teacher's top-K in B's ids of identical strings at the pair tokens;
              default ``alpha``:1:GAMMA for GAMMA = 0, 0.5, 1)
 
 Metric: bits per byte on the held-out text, bpb = sum of -log2 q(token) over predicted tokens / their bytes (each
 model on its own tokenization, windows of its seq_length). Gain recovered = (bpb(B-ce) - bpb(B-kd)) /
-(bpb(A-ce) - bpb(A-kd)). The chunk term's pull, measured on the B-ce student: the norm of the gradient of the chunk
+(bpb(A-ce) - bpb(A-kd)). The segment term's pull, measured on the B-ce student: the norm of the gradient of the segment
 sum sum_c n_c D_c over the student's logits, over that of the CE sum, on 8 training rows, at each ALM run's tau.
 Prints one markdown table (also ``results.md`` and ``results.json`` under the output folder). ``--reuse`` keeps
 the tokenizers, teacher and store of an earlier run in the same folder (same settings) and trains only students.
@@ -188,30 +188,30 @@ def bits_per_byte(model, tokenizer_path: pathlib.Path, heldout: list[str], seq: 
     return nats / math.log(2) / total_bytes
 
 
-def chunk_pull(model, rows: list[dict], temperature: float) -> float:
-    """||d chunk_sum / d logits|| / ||d ce_sum / d logits|| on ``rows`` (float64; the ALM loss's two terms)."""
-    from megatron_kd_plugin.cache.align import CHUNK_IDS, CHUNK_LOGPROBS
-    from megatron_kd_plugin.loss.cross_tokenizer import binarised_divergence
+def segment_pull(model, rows: list, temperature: float) -> float:
+    """||d segment_sum / d logits|| / ||d ce_sum / d logits|| on ``rows`` (``KDRow``s; float64; the ALM loss's two
+    terms)."""
+    from megatron_kd_plugin.loss.cross_tokenizer_loss import binarised_divergence
 
-    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    batch = torch.utils.data.default_collate(rows)                                           # a batch-first KDRow
     with torch.no_grad():
-        logits = logits_of(model, batch["tokens"]).double()                                # [b, s, V]
+        logits = logits_of(model, batch.tokens).double()                                    # [b, s, V]
     logits.requires_grad_()
-    logp = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None]).squeeze(-1)   # [b, s]
-    mask = batch["loss_mask"].double()
+    logp = torch.log_softmax(logits, -1).gather(-1, batch.labels[..., None]).squeeze(-1)   # [b, s]
+    mask = batch.loss_mask.double()
     ce = -(mask * logp).sum()
-    ids, chunk = batch[CHUNK_IDS], logp.new_zeros(())
+    ids, segment = batch.teacher.segment_ids, logp.new_zeros(())
     for b in range(ids.shape[0]):
         used = ids[b] >= 0
         sums = logp.new_zeros(ids.shape[1]).index_add(0, ids[b][used], logp[b][used])
         sizes = torch.bincount(ids[b][used], minlength=ids.shape[1]).double()
         live = sizes > 0
-        d = binarised_divergence(batch[CHUNK_LOGPROBS][b].double()[live], sums[live], divergence="forward_kl",
-                                 jsd_beta=0.5, temperature=temperature)
-        chunk = chunk + (sizes[live] * d).sum()
-    grad_chunk, = torch.autograd.grad(chunk, logits, retain_graph=True)
+        d = binarised_divergence(batch.teacher.segment_logprobs[b].double()[live], sums[live],
+                                 divergence="forward_kl", jsd_beta=0.5, temperature=temperature)
+        segment = segment + (sizes[live] * d).sum()
+    grad_segment, = torch.autograd.grad(segment, logits, retain_graph=True)
     grad_ce, = torch.autograd.grad(ce, logits)
-    return float(grad_chunk.norm() / grad_ce.norm())
+    return float(grad_segment.norm() / grad_ce.norm())
 
 
 def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reuse: bool):
@@ -256,9 +256,9 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
 
 def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "unigram", reuse: bool = False) -> dict:
     """Every stage into ``out``; returns {"rows": [...], "table": markdown}."""
-    from megatron_kd_plugin.bridge.dataset import CrossTokenizerDataset
-    from megatron_kd_plugin.cache import PAIR_KEYS, TopKCacheReader, pair_topk
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+    from megatron_kd_plugin.cache import KDRows, TokenBytes, TopKCacheReader, row_kind
+    from megatron_kd_plugin.loss import tensor_map
+    from megatron_kd_plugin.loss.cross_tokenizer_loss import pair_teacher
 
     out.mkdir(parents=True, exist_ok=True)
     tok_a, tok_b, store, heldout, teacher_row = prepare(cfg, out, student_tokenizer, reuse)
@@ -284,35 +284,36 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
         rows.append(dict(name=name, bpb=bits_per_byte(model, tok, heldout, s), seconds=seconds, last=history[-1]))
     reader = TopKCacheReader(store)
     count = min(256, len(reader))
-    data = CrossTokenizerDataset(reader, np.arange(count), student=table_b, seq_length=seq_b, num_rows=count, seed=0,
-                                 shuffle=False)
+    data = KDRows(row_kind(reader, seq_length=seq_b, student=table_b, alignments="memory"), np.arange(count),
+                  num_rows=count, seed=0, shuffle=False)
     b_rows = [data[i] for i in range(count)]
     for row in rows:
         tau = runs.get(row["name"], (None,) * 4)[3]
         if tau is not None:
-            row["chunk_pull"] = chunk_pull(models["B-ce"], b_rows[:8], tau)
+            row["segment_pull"] = segment_pull(models["B-ce"], b_rows[:8], tau)
     bpb = {row["name"]: row["bpb"] for row in rows}
     same_gain = bpb["A-ce"] - bpb["A-kd"]
-    labels = float(np.mean([float(r["loss_mask"].sum()) for r in b_rows]))
-    chunked = float(np.mean([float((r["chunk_ids"] >= 0).sum() / max(float(r["loss_mask"].sum()), 1.0))
-                             for r in b_rows]))
-    pair_logprobs = [pair_topk(*(r[key][None] for key in PAIR_KEYS))[1][0] for r in b_rows]   # [S_s, K] each
-    pair_rows = [r[PAIR_KEYS[0]] >= 0 for r in b_rows]
-    paired = float(np.mean([float(p.sum()) / max(float(r["loss_mask"].sum()), 1.0) for p, r in zip(pair_rows, b_rows)]))
+    labels = float(np.mean([float(r.loss_mask.sum()) for r in b_rows]))
+    segmented = float(np.mean([float((r.teacher.segment_ids >= 0).sum() / max(float(r.loss_mask.sum()), 1.0))
+                               for r in b_rows]))
+    pair_logprobs = [pair_teacher(tensor_map(lambda t: t[:, None], r.teacher)).logprobs[:, 0]   # [S_s, K]
+                     for r in b_rows]
+    pair_rows = [r.teacher.pair_positions >= 0 for r in b_rows]
+    paired = float(np.mean([float(p.sum()) / max(float(r.loss_mask.sum()), 1.0) for p, r in zip(pair_rows, b_rows)]))
     mapped = float(torch.cat([lp[p].exp().sum(-1) for p, lp in zip(pair_rows, pair_logprobs)]).mean())
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {chunked:.3f} of them in a used chunk, {paired:.3f} at a "
+             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment, {paired:.3f} at a "
              f"pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
              f"{mapped:.3f} of its mass", "",
-             "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | chunk/CE "
+             "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | segment/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         base = bpb["A-ce"] if row["name"].startswith("A-") else bpb["B-ce"] if row["name"].startswith("B-") else None
         gain = "" if base is None or row["name"].endswith("-ce") else f"{base - row['bpb']:+.4f}"
         fraction = f"{(base - row['bpb']) / same_gain:.2f}" if gain and same_gain else ""
-        pull = f"{row['chunk_pull']:.3f}" if "chunk_pull" in row else ""
+        pull = f"{row['segment_pull']:.3f}" if "segment_pull" in row else ""
         lines.append(f"| {row['name']} | {row['bpb']:.4f} | {gain} | {fraction} | {pull} | {row['seconds']:.0f} |")
     text = "\n".join(lines)
     (out / "results.md").write_text(text + "\n")

@@ -1,13 +1,24 @@
-"""Top-K knowledge-distillation loss against a cached teacher: fused, vocab-parallel, memory-bounded.
+"""Knowledge-distillation losses of a student lm_head against a cached teacher: fused, vocab-parallel,
+memory-bounded; no [T, V] logits.
 
-    from megatron_kd_plugin.loss import topk_kd_loss
-    result = topk_kd_loss(hidden, weight, teacher_ids, teacher_logprobs, loss_mask=mask, tp_group=tp_group)
-    result.loss_sum.backward()      # also: result.num_tokens, kd_sum, ce_sum, student/teacher top-K mass sums
+    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
+    result = topk_kd_loss(hidden, weight, TopKTeacher(teacher_ids, teacher_logprobs), loss_mask=mask,
+                          tp_group=tp_group, tail="ghost")
+    result.loss_sum.backward()      # also: result.num_tokens, result.report["kd loss"] = [sum, count], ...
 
-The math: ``token_math``. Formulations: ``fused`` (default), ``forward_chunked`` and ``dense`` (references).
+The family (one chunk loop, two losses): ``token_math`` (the per-token math, written once), ``divergence``,
+``teacher`` (the typed teachers and the teacher's buckets), ``tp`` (the vocab shard and its collectives),
+``chunk_backends`` / ``chunk_loop`` (the per-chunk vocab work and the loop between the collectives), ``fused_head``
+(the autograd Functions over X and W), and the members: ``topk_loss`` (top-K, top-p and sampled rows; the
+``renorm_rows`` fast path; ``references``: the Dense and Forward-chunked baselines) and ``cross_tokenizer_loss``.
+``step.kd_loss`` picks a member by the teacher's type.
 """
 
-from .api import topk_kd_loss
+from .cross_tokenizer_loss import CrossTokenizerTeacher, cross_tokenizer_loss
 from .options import KDLossOptions, KDLossResult
+from .step import KDLossInputs, kd_loss
+from .teacher import SampledTeacher, TopKTeacher, tensor_map
+from .topk_loss import topk_kd_loss
 
-__all__ = ["KDLossOptions", "KDLossResult", "topk_kd_loss"]
+__all__ = ["CrossTokenizerTeacher", "KDLossInputs", "KDLossOptions", "KDLossResult", "SampledTeacher", "TopKTeacher",
+           "cross_tokenizer_loss", "kd_loss", "tensor_map", "topk_kd_loss"]

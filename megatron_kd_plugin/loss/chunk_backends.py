@@ -10,7 +10,7 @@ For one chunk of c tokens with raw logits r [c, V/tp] (``token_math`` for the na
 
 Backward in ``recompute`` mode repeats ``load`` and ``logits_grad_`` with the saved M and scaled coefficients.
 
-``TorchChunks`` (``chunk_ops``): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the support in
+``TorchChunks`` (the PyTorch pieces below): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the support in
 place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1; S1_tail = sum of E^tau for the ghost tail
 at tau != 1), gradient
 dr = dense E + ce_dense E1 + scatter(support) + scatter(label).
@@ -25,13 +25,49 @@ support' = support - dense exp(g - M) cancels the dense term the kernel also wri
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .chunk_ops import exp_off_support_, gather_local, logits_grad_
-from .plan import KDBatch, LossPlan
 from .token_math import TokenPartials, TokenTerms
+
+if TYPE_CHECKING:                     # the loop's plan and batch, handed in by ``chunk_loop`` (which imports this)
+    from .chunk_loop import KDBatch, LossPlan
+
+
+# The PyTorch pieces, each one kernel's worth of work over a [c, V/tp] buffer. Index inputs are this rank's:
+# ``local_ids`` [c, K] int64 in [0, V/tp) and ``local_valid`` [c, K] bool (the slot's id lies in this shard and is a
+# bucket); slots that are not local carry a clamped, unused index.
+
+def gather_local(z: torch.Tensor, local_ids: torch.Tensor, local_valid: torch.Tensor) -> torch.Tensor:
+    """z at the local ids [c, K] (0 where not local), so a SUM all-reduce assembles the global values."""
+    return torch.where(local_valid, z.gather(1, local_ids), z.new_zeros(()))
+
+
+def exp_off_support_(z: torch.Tensor, shift: torch.Tensor, local_ids: torch.Tensor,
+                     local_valid: torch.Tensor) -> torch.Tensor:
+    """In place: z [c, V/tp] -> E = exp(z - shift[:, None]) with 0 at the support ids. Returns E."""
+    z.sub_(shift[:, None]).exp_()
+    keep = (~local_valid).to(z.dtype)           # multiply by 0 at support ids; repeats/non-local slots multiply by 1
+    return z.scatter_reduce_(1, local_ids, keep, reduce="prod")
+
+
+def logits_grad_(exp_off: torch.Tensor, dense_coef: torch.Tensor, local_ids: torch.Tensor,
+                 local_support_grad: torch.Tensor, local_label: torch.Tensor | None,
+                 local_label_grad: torch.Tensor | None, exp_full: torch.Tensor | None = None,
+                 ce_dense_coef: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: E (off-support exp) [c, V/tp] -> d loss / d r [c, V/tp]. Returns it.
+
+    dr = dense_coef[:, None] * E + ce_dense_coef[:, None] * E1 + scatter(support_grad) + scatter(label_grad);
+    the scattered values must already be 0 where not local.
+    """
+    grad = exp_off.mul_(dense_coef[:, None])
+    if exp_full is not None:
+        grad.add_(exp_full.mul_(ce_dense_coef[:, None]))
+    grad.scatter_add_(1, local_ids, local_support_grad)
+    if local_label is not None:
+        grad.scatter_add_(1, local_label[:, None], local_label_grad[:, None])
+    return grad
 
 
 class ChunkCoefs(NamedTuple):

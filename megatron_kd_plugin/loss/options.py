@@ -1,4 +1,4 @@
-"""The loss's options (one frozen dataclass, validated once) and its result tuple."""
+"""The KD losses' options, declared once (also Megatron-Bridge's ``cfg.kd``), and the result every KD loss returns."""
 
 from __future__ import annotations
 
@@ -16,15 +16,20 @@ KERNELS = ("auto", "torch", "triton")
 DEFAULT_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 512 * 2**20}
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class KDLossOptions:
-    """How the top-K distillation loss is computed. The math is in ``megatron_kd_plugin.loss.token_math``."""
+    """How a KD loss is computed. The math is in ``megatron_kd_plugin.loss.token_math``.
+
+    The same dataclass is a KD run's ``cfg.kd`` section, which Bridge's overrides (``kd.temperature=2``) set
+    attribute by attribute: it is validated when built and again by ``validate()`` before step one; the losses take
+    a copy (``frozen_copy``), so a later change of ``cfg.kd`` never reaches a running call.
+    """
 
     tail: str = "ghost"
     """Treatment of the teacher's mass outside its top-K: ``ghost`` (one extra bucket holding 1 - m for the teacher
     and 1 - s for the student), ``none`` (sparse KL over the K ids against the full-vocab student softmax) or
     ``renorm`` (both distributions renormalised over the K ids; needs only the K rows W[I]); ``sampled``: the slots are
-    ids drawn from the teacher with importance weights (``sample_weights``), an unbiased estimate of the full KL
+    ids drawn from the teacher with importance weights (a sampled store's rows), an unbiased estimate of the full KL
     (``forward_kl`` at temperature 1 only)."""
 
     divergence: str = "forward_kl"
@@ -40,6 +45,11 @@ class KDLossOptions:
 
     alpha: float = 1.0
     """Mix: loss = alpha * tau^2 * KD + (1 - alpha) * CE(labels) at tau = 1; in [0, 1]. alpha < 1 needs labels."""
+
+    token_weight: float = 0.0
+    """Cross-tokenizer students only (``cross_tokenizer_loss``): gamma in [0, 1], the token-level term's share of the
+    teacher's part: the top-K loss at the pair tokens with weight gamma, the ALM segment term with 1 - gamma, each
+    token's CE with what alpha leaves of it; 0: the ALM segment term alone, 1: the token-level term alone."""
 
     impl: str = "fused"
     """``fused`` (the product: X and W in, no [T, V/tp] logits), ``forward_chunked`` (full logits, sparse teacher,
@@ -71,8 +81,12 @@ class KDLossOptions:
     """How far the teacher's top-K mass may exceed 1 (rounding of fp16 log-probs) before it is an error."""
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the offending value (run at construction; call it again after setting fields)."""
         for name, allowed in (("tail", TAILS), ("divergence", DIVERGENCES), ("impl", IMPLS), ("mode", MODES),
-                               ("kernels", KERNELS)):
+                              ("kernels", KERNELS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected one of {allowed}")
@@ -91,10 +105,19 @@ class KDLossOptions:
             raise ValueError(f"temperature={self.temperature!r}: expected > 0")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha!r}: expected 0 <= alpha <= 1")
+        if not 0.0 <= self.token_weight <= 1.0:
+            raise ValueError(f"token_weight={self.token_weight!r}: expected 0 <= token_weight <= 1")
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1):
             raise ValueError(f"chunk_bytes={self.chunk_bytes!r}: expected a positive int or None")
         if not self.mass_tolerance >= 0.0:
             raise ValueError(f"mass_tolerance={self.mass_tolerance!r}: expected >= 0")
+
+    def with_overrides(self, **overrides) -> KDLossOptions:
+        """A checked copy with ``overrides`` (field names of this class) applied: what a loss call uses."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown KD loss option(s) {unknown}; the options are KDLossOptions' fields")
+        return dataclasses.replace(self, **overrides)
 
     def budget_bytes(self, device: torch.device) -> int:
         """The chunk byte budget in effect on ``device``."""
@@ -103,20 +126,30 @@ class KDLossOptions:
         return DEFAULT_CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
 
 
+def resolve_options(options: KDLossOptions | None, overrides: dict) -> KDLossOptions:
+    """The options of one loss call: ``options`` (default ``KDLossOptions()``) with keyword ``overrides``, as a
+    checked copy."""
+    return (KDLossOptions() if options is None else options).with_overrides(**overrides)
+
+
 class KDLossResult(NamedTuple):
-    """What ``topk_kd_loss`` returns; sums run over tokens with a non-zero loss_mask, weighted by it."""
+    """What every KD loss returns (``topk_kd_loss``, ``cross_tokenizer_loss``), Megatron's loss contract plus the
+    figures a training log reports. Sums run over tokens with a non-zero loss_mask, weighted by it.
+
+    It crosses megatron-core's ``output_processor`` hook and a bf16 ``Float16Module`` (which turns it into a plain
+    tuple: ``KDLossResult(*output)`` rebuilds it)."""
 
     loss_sum: torch.Tensor
-    """Differentiable fp32 scalar: sum of alpha * tau^2 * KD + (1 - alpha) * CE."""
+    """Differentiable fp32 scalar (float64 for float64 inputs): what is optimised, summed over tokens."""
     num_tokens: torch.Tensor
     """int64 scalar: number of tokens with a non-zero loss_mask."""
-    kd_sum: torch.Tensor
-    """Detached: sum of the KD divergence (without alpha * tau^2)."""
-    ce_sum: torch.Tensor
-    """Detached: sum of the hard-label cross entropy at tau = 1 (0 when labels is None)."""
-    student_topk_mass_sum: torch.Tensor
-    """Detached: sum over tokens of s = sum_k q(I_k) under the student at temperature tau (NaN on the renorm
-    K-rows fast path, which never forms the full-vocab normaliser)."""
-    teacher_topk_mass_sum: torch.Tensor
-    """Detached: sum over tokens of the teacher's (untempered) top-K mass m = sum_k exp(l_k) (``sampled``: the mass of
-    the distinct drawn ids, each counted once)."""
+    report: dict[str, torch.Tensor]
+    """Detached ``[sum, count]`` pairs by name, Bridge's report format (logged as sum / count): e.g. ``kd loss``
+    (the KD divergence without alpha * tau^2), ``lm loss`` (the hard-label CE at tau = 1, when labels are given),
+    ``student top-K mass`` / ``teacher top-K mass``; each loss's docstring lists its own."""
+
+    def sum(self, name: str) -> torch.Tensor:
+        """The sum of figure ``name`` (KeyError naming the figures there are)."""
+        if name not in self.report:
+            raise KeyError(f"{name!r} is not reported; the figures are {sorted(self.report)}")
+        return self.report[name][0]

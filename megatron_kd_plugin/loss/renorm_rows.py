@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .main_grad import main_grad_of
-from .plan import KDBatch, LossPlan, finish_grad, input_grads, loss_totals
+from .chunk_loop import KDBatch, LossPlan
+from .fused_head import finish_grad, input_grads, loss_totals, main_grad_of
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
 

@@ -1,19 +1,49 @@
-"""The teacher's side of the loss, computed once per call from the cached top-K (T*K work, no vocab).
+"""The teacher as the losses receive it (typed values), and its side of the top-K loss, computed once per call from
+the cached top-K (T*K work, no vocab).
+
+The typed values travel from a store's rows to the loss in the store's dtypes (int32 ids, the decoded log-probs);
+the loss converts where its math needs another. Shapes: [..., K] per token, the leading dimensions the caller's
+([b, s] batch-first from a dataset, [s, b] in the loss, [T] flattened inside it).
 
 The buckets are formed in float64 whatever the input dtype: the ghost tail's 1 - m is lost in float32 below
 ~6e-8 (m rounds to 1), and tempering log(1 - m) amplifies the error; only the finished log-probs are rounded to
 the accumulation dtype (their logarithms are well-conditioned there).
 
 Shape: ``ids`` [T, K] global vocab ids, ``logprobs`` [T, K] log-probs over the teacher's full vocab
-(-inf marks a padding slot: probability 0, not part of the support), ``sample_weights`` [T, K] (tail ``sampled``
+(-inf marks a padding slot: probability 0, not part of the support), ``draw_weights`` [T, K] (tail ``sampled``
 only) the importance weight w of each drawn slot; a slot is drawn when its log-prob is finite and w > 0.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import torch
+
+
+class TopKTeacher(NamedTuple):
+    """A teacher's top-K (or top-p) per token: the distribution the token was predicted from."""
+
+    ids: torch.Tensor        # [..., K] int global vocab ids (a store's rows: int32, ascending per token)
+    logprobs: torch.Tensor   # [..., K] float log-probs over the teacher's full vocab; -inf: a padding slot
+
+
+class SampledTeacher(NamedTuple):
+    """N ids drawn per token from the teacher (a sampled store's rows), with their importance weights."""
+
+    ids: torch.Tensor        # [..., N] int drawn ids, repeats kept
+    logprobs: torch.Tensor   # [..., N] float the teacher's log-prob of each drawn id
+    weights: torch.Tensor    # [..., N] float importance weights w = p / (N q') (``token_math``)
+
+
+Tensors = TypeVar("Tensors", bound=tuple)
+
+
+def tensor_map(fn: Callable[[torch.Tensor], torch.Tensor], value: Tensors) -> Tensors:
+    """``value`` (a NamedTuple of tensors, nested NamedTuples and None) with ``fn`` applied to every tensor."""
+    return type(value)(*(None if item is None else fn(item) if isinstance(item, torch.Tensor)
+                         else tensor_map(fn, item) for item in value))
 
 
 class TeacherBuckets(NamedTuple):
@@ -35,8 +65,9 @@ class TeacherBuckets(NamedTuple):
 
 
 def _sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort each token's ids [..., K]: (ids int64 sorted, the sorting order, first bool: the first slot of a run)."""
-    ids, order = ids.long().sort(dim=-1, stable=True)
+    """Sort each token's ids [..., K]: (ids sorted, in their dtype; the sorting order; first bool: the first slot of a
+    run)."""
+    ids, order = ids.sort(dim=-1, stable=True)
     first = torch.ones_like(ids, dtype=torch.bool)
     first[..., 1:] = ids[..., 1:] != ids[..., :-1]
     return ids, order, first
@@ -44,7 +75,7 @@ def _sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def merge_duplicate_ids(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort each token's ids and merge repeats: the first slot of an id gets log(sum of its probabilities), the
-    repeats get -inf. Returns (ids [T, K] int64 sorted, logprobs [T, K])."""
+    repeats get -inf. Returns (ids [T, K] sorted, in their dtype; logprobs [T, K])."""
     ids, order, first = _sorted_runs(ids)
     logprobs = logprobs.gather(-1, order)
     segment = first.long().cumsum(-1) - 1                                      # [T, K] run index of each slot
@@ -57,30 +88,30 @@ def merge_duplicate_ids(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torc
     return ids, torch.where(first, merged.gather(-1, segment), neg_inf)
 
 
-def _drawn(logprobs: torch.Tensor, sample_weights: torch.Tensor) -> torch.Tensor:
+def _drawn(logprobs: torch.Tensor, draw_weights: torch.Tensor) -> torch.Tensor:
     """[T, K] bool: the slot holds a drawn id (finite log-prob, positive weight)."""
-    return (logprobs > -torch.inf) & (sample_weights > 0)
+    return (logprobs > -torch.inf) & (draw_weights > 0)
 
 
-def teacher_mass(ids: torch.Tensor, logprobs: torch.Tensor, sample_weights: torch.Tensor | None) -> torch.Tensor:
+def teacher_mass(ids: torch.Tensor, logprobs: torch.Tensor, draw_weights: torch.Tensor | None) -> torch.Tensor:
     """[..., K] slots -> [...] untempered mass of the teacher's slots: sum_k exp(l_k) (repeated top-K slots split an id's mass), or with
-    ``sample_weights`` the mass of the distinct drawn ids (a repeated draw is counted once)."""
+    ``draw_weights`` the mass of the distinct drawn ids (a repeated draw is counted once)."""
     probs = logprobs.exp()                                                     # exp(-inf) = 0 at padding
-    if sample_weights is None:
+    if draw_weights is None:
         return probs.sum(-1)
-    drawn = _drawn(logprobs, sample_weights)
-    _, order, first = _sorted_runs(torch.where(drawn, ids.long(), -1))        # undrawn slots share the run of -1
+    drawn = _drawn(logprobs, draw_weights)
+    _, order, first = _sorted_runs(torch.where(drawn, ids, -1))        # undrawn slots share the run of -1
     return torch.where(first & drawn.gather(-1, order), probs.gather(-1, order), 0.0).sum(-1)
 
 
 def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor,
-                     sample_weights: torch.Tensor) -> tuple[torch.Tensor, TeacherBuckets]:
+                     draw_weights: torch.Tensor) -> tuple[torch.Tensor, TeacherBuckets]:
     """``sampled``: bucket P_b = the summed weight of a distinct drawn id; the value offset makes
     f = KL(P || Q) + offset = sum_k w_k (l_k - log Q_{I_k})."""
-    drawn = _drawn(logprobs, sample_weights)
-    weights = sample_weights.to(logprobs.dtype)
+    drawn = _drawn(logprobs, draw_weights)
+    weights = draw_weights.to(logprobs.dtype)
     cross = torch.where(drawn, weights * logprobs, 0.0).sum(-1)               # [T] sum_k w_k l_k
-    mass = teacher_mass(ids, logprobs, sample_weights)
+    mass = teacher_mass(ids, logprobs, draw_weights)
     ids, log_p = merge_duplicate_ids(ids, torch.where(drawn, weights.log(), -torch.inf))   # log of summed weights
     valid = log_p > -torch.inf
     offset = cross - torch.where(valid, log_p.exp() * log_p, 0.0).sum(-1)
@@ -89,14 +120,14 @@ def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor,
 
 
 def teacher_buckets(ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str, temperature: float, vocab_size: int,
-                    dtype: torch.dtype, sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                    dtype: torch.dtype, draw_weights: torch.Tensor | None = None) -> tuple[torch.Tensor,
                                                                                               TeacherBuckets]:
     """Merge repeated ids, then temper within the tail mode's buckets (``sampled``: weights summed per id, no
     tempering), in float64; the buckets are returned in ``dtype``. ``vocab_size``: V (padded, all ranks).
-    Returns (ids [T, K] int64 sorted per token, a repeated id merged into its first slot; the buckets)."""
+    Returns (ids [T, K] sorted per token in their dtype, a repeated id merged into its first slot; the buckets)."""
     logprobs = logprobs.to(torch.float64)
     if tail == "sampled":
-        ids, buckets = _sampled_buckets(ids, logprobs, sample_weights.to(torch.float64))
+        ids, buckets = _sampled_buckets(ids, logprobs, draw_weights.to(torch.float64))
     else:
         ids, buckets = _topk_buckets(ids, logprobs, tail, temperature, vocab_size)
     return ids, TeacherBuckets(*(t.to(dtype) if t.is_floating_point() else t for t in buckets))

@@ -67,3 +67,10 @@ def hidden_to_tp_region(hidden: torch.Tensor, shard: VocabShard, sequence_parall
         return mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
                                                              group=shard.group)
     return mappings.copy_to_tensor_model_parallel_region(hidden, group=shard.group)
+
+
+def shard_local(ids: torch.Tensor, valid: torch.Tensor, vocab_start: int,
+                vocab_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids [...] -> (shard-local ids clamped into [0, V/tp), local_valid = valid and inside the shard)."""
+    local = valid & (ids >= vocab_start) & (ids < vocab_end)
+    return (ids - vocab_start).clamp(0, vocab_end - vocab_start - 1), local

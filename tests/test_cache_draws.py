@@ -4,7 +4,7 @@ log_softmax, the importance weights are unbiased for p, and TP=2/4 draw exactly 
 import pytest
 import torch
 
-from megatron_kd_plugin.cache.sample import sample_uniforms, sample_weights, vocab_parallel_sample
+from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 from tests.distributed import run_on_ranks
 
 S, B, V = 5, 2, 24
@@ -26,7 +26,7 @@ def dense(logits, temperature, proposal_temperature):
 @pytest.mark.parametrize("t", [1.0, 1.5])
 def test_frequencies_follow_q_and_values_match_a_dense_log_softmax(t):
     logits, n = make_logits(0), 20000
-    draw = vocab_parallel_sample(logits, sample_uniforms(7, 0, B, S, n), temperature=1.3, proposal_temperature=t)
+    draw = vocab_parallel_draws(logits, draw_uniforms(7, 0, B, S, n), temperature=1.3, proposal_temperature=t)
     l, log_q, lognorm = dense(logits, 1.3, t)
     assert draw.finite.all() and (draw.ids.diff(dim=-1) >= 0).all()
     torch.testing.assert_close(draw.logprobs.double(), l.gather(-1, draw.ids), atol=1e-6, rtol=0)
@@ -45,9 +45,9 @@ def test_frequencies_follow_q_and_values_match_a_dense_log_softmax(t):
 def test_importance_weights_are_unbiased_for_p(t):
     """P̂_v = Σ_n [i_n = v] w_n over many independent draws of N = 8: mean -> p within 5 standard errors."""
     logits, n, repeats = make_logits(1), 8, 4000
-    uniforms = sample_uniforms(3, 0, B * repeats, S, n).view(S, repeats, B, n).transpose(1, 2)   # [s, b, R, N]
-    draw = vocab_parallel_sample(logits.unsqueeze(2).expand(S, B, repeats, V), uniforms, proposal_temperature=t)
-    weights = sample_weights(draw.logprobs, draw.proposal_lognorm, t).double()
+    uniforms = draw_uniforms(3, 0, B * repeats, S, n).view(S, repeats, B, n).transpose(1, 2)   # [s, b, R, N]
+    draw = vocab_parallel_draws(logits.unsqueeze(2).expand(S, B, repeats, V), uniforms, proposal_temperature=t)
+    weights = draw_weights(draw.logprobs, draw.proposal_lognorm, t).double()
     p_hat = torch.zeros(S, B, repeats, V, dtype=torch.float64).scatter_add_(-1, draw.ids, weights)
     l, log_q, _ = dense(logits, 1.0, t)
     p = l.exp()
@@ -64,7 +64,7 @@ def test_importance_weights_are_unbiased_for_p(t):
 def tp_case_logits():
     logits = make_logits(2)
     logits[1, 1, 18:] = float("-inf")                # the last shard at TP=4 has no mass for this token
-    uniforms = sample_uniforms(5, 0, B, S, 64)
+    uniforms = draw_uniforms(5, 0, B, S, 64)
     uniforms[1, 1, :2] = 1.0                         # u · ΣT rounded up to ΣT: the last id with mass (17)
     return logits, uniforms
 
@@ -81,7 +81,7 @@ def _tp_draws(tp_sizes, proposal_temperatures):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         group = parallel_state.get_tensor_model_parallel_group()
         shard = logits.chunk(tp, dim=-1)[dist.get_rank(group)]                   # [s, b, V/tp]
-        results[tp] = [vocab_parallel_sample(shard, uniforms, temperature=0.9, proposal_temperature=t,
+        results[tp] = [vocab_parallel_draws(shard, uniforms, temperature=0.9, proposal_temperature=t,
                                              tp_group=group) for t in proposal_temperatures]
     return results
 
@@ -91,7 +91,7 @@ def test_tensor_parallel_draws_equal_single_rank_draws_at_tp2_and_tp4():
     temperatures = (1.0, 1.5)
     per_rank = run_on_ranks(4, _tp_draws, (2, 4), temperatures)          # one spawn of 4 ranks, both TP sizes
     for case, t in enumerate(temperatures):
-        single = vocab_parallel_sample(logits, uniforms, temperature=0.9, proposal_temperature=t)
+        single = vocab_parallel_draws(logits, uniforms, temperature=0.9, proposal_temperature=t)
         assert (single.ids[1, 1] < 18).all() and (single.ids[1, 1, -2:] == 17).all() and single.finite.all()
         for tp in (2, 4):
             for rank in range(4):
@@ -106,24 +106,24 @@ def test_non_finite_logits_are_flagged_and_bad_arguments_raise():
     logits = make_logits(4)
     logits[2, 1, 7] = float("nan")
     logits[3, 0, 1] = float("inf")
-    draw = vocab_parallel_sample(logits, sample_uniforms(0, 0, B, S, 4))
+    draw = vocab_parallel_draws(logits, draw_uniforms(0, 0, B, S, 4))
     expected = torch.ones(S, B, dtype=torch.bool)
     expected[2, 1] = expected[3, 0] = False
     assert torch.equal(draw.finite, expected)
     with pytest.raises(ValueError, match="proposal_temperature"):
-        vocab_parallel_sample(logits, sample_uniforms(0, 0, B, S, 4), proposal_temperature=0.0)
+        vocab_parallel_draws(logits, draw_uniforms(0, 0, B, S, 4), proposal_temperature=0.0)
     with pytest.raises(ValueError, match="uniforms"):
-        vocab_parallel_sample(logits, sample_uniforms(0, 0, B + 1, S, 4))
+        vocab_parallel_draws(logits, draw_uniforms(0, 0, B + 1, S, 4))
 
 
 def test_blocks_of_positions_give_the_same_draws():
-    logits, uniforms = make_logits(5), sample_uniforms(1, 0, B, S, 6)
-    whole = vocab_parallel_sample(logits, uniforms, proposal_temperature=1.5)
-    blocked = vocab_parallel_sample(logits, uniforms, proposal_temperature=1.5, block_bytes=24 * B * V * 2)
+    logits, uniforms = make_logits(5), draw_uniforms(1, 0, B, S, 6)
+    whole = vocab_parallel_draws(logits, uniforms, proposal_temperature=1.5)
+    blocked = vocab_parallel_draws(logits, uniforms, proposal_temperature=1.5, block_bytes=24 * B * V * 2)
     assert all(torch.equal(a, b) for a, b in zip(whole, blocked))                      # blocks of 2, 2 and 1
 
 
 def test_uniforms_depend_only_on_seed_and_sample_index():
-    whole = sample_uniforms(9, 0, 6, S, 3)
-    assert torch.equal(sample_uniforms(9, 4, 2, S, 3), whole[:, 4:])
-    assert not torch.equal(sample_uniforms(8, 0, 6, S, 3), whole)
+    whole = draw_uniforms(9, 0, 6, S, 3)
+    assert torch.equal(draw_uniforms(9, 4, 2, S, 3), whole[:, 4:])
+    assert not torch.equal(draw_uniforms(8, 0, 6, S, 3), whole)

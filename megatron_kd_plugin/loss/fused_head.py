@@ -1,23 +1,103 @@
-"""Fused chunked top-K KD: X [T, H] and this rank's lm_head shard W [V/tp, H] in, a scalar loss out.
+"""The fused lm_head: X [T, H] and this rank's lm_head shard W [V/tp, H] in, a KD loss out, with no [T, V/tp] logits.
 
 Never materialises [T, V/tp] logits: per chunk of c tokens r_c = X_c W^T lives in one [c, V/tp] buffer (fp32 on
 the PyTorch chunk backend; the inputs' dtype, e.g. bf16, with the Triton kernels) that becomes the chunk's logits
 gradient G_c in place, then dX_c = G_c W and dW += G_c^T X_c. ``recompute`` keeps only per-token coefficients
 (T*K) and recomputes r_c in backward (4 products per chunk); ``grad_in_forward`` forms dX and dW during forward and
 only scales them in backward (3 products). dW is accumulated in fp32 straight into megatron-core DDP's
-``weight.main_grad`` when the weight has one (``main_grad.py``; ``recompute`` then holds no dW buffer at all). A half
+``weight.main_grad`` when the weight has one (``MainGrad`` below; ``recompute`` then holds no dW buffer at all). A half
 weight meets the fp32 PyTorch backend in converted blocks of rows, never as a full fp32 copy. Peak extra memory
 ~ c * V/tp * 4 B (x2 for CE at tau != 1; Triton: one chunk in the inputs' dtype) + dX (T*H) + dW (V/tp*H, fp32;
 none in ``recompute`` into main_grad) + ~10 B per teacher slot (``KDBatch``), flat in T apart from dX and the slots.
-The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.kernels``)."""
+The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.kernels``).
+
+Two autograd Functions run the head over the shared chunk loop (``chunk_loop``): ``fused_topk_kl`` (the top-K
+loss: summed figures, backward scaled by one incoming gradient) and ``fused_token_values`` (per-token label
+log-probs and KD values, each token's two gradients scaled by their own incoming gradients: the cross-tokenizer
+loss). ``input_grads`` / ``finish_grad`` / ``loss_totals`` are shared by every loss Function of the package.
+
+``MainGrad``, megatron-core's gradient-accumulation convention for the lm_head weight: dW goes straight into DDP's
+main_grad. megatron-core's DDP gives every parameter ``main_grad`` (a view of its fp32 gradient buffer) and a flag
+``grad_added_to_main_grad``; its backward hook adds ``param.grad`` into ``main_grad`` unless the flag is set, then
+drops ``param.grad`` (``distributed_data_parallel.py``, ``_make_backward_post_hook``). Its own linear layers
+(``LinearWithGradAccumulationAndAsyncCommunication`` with gradient_accumulation_fusion) accumulate dW into
+``main_grad`` themselves, set the flag, and return a placeholder grad whose values are never read (an uninitialised
+``torch.empty``; zeros when ``zero_out_wgrad`` marks a weight tied to the embedding, whose grad DDP does add).
+
+The fused loss does the same, without apex and whatever ``gradient_accumulation_fusion`` says (it needs no fused
+kernel): dW is accumulated in fp32 into ``main_grad``, never rounded to the weight's bf16 nor held in a second
+[V/tp, H] buffer. Its placeholder costs no memory: a detached alias of the weight (DDP discards it unread), or None
+for a tied weight (the embedding's grad is then ``param.grad``, which DDP adds), for a weight without the flag
+(megatron's convention without DDP's hook), and when ``weight.grad`` is still set (nothing dropped the previous
+placeholder: autograd would add the new one into it in place, i.e. into the weight).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .main_grad import MainGrad, main_grad_of
-from .plan import KDBatch, LossPlan, finish_grad, input_grads, loss_totals
-from .vocab_loop import backward_pass, forward_pass
+from .chunk_loop import KDBatch, LossPlan, PerToken, backward_pass, forward_pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MainGrad:
+    """The weight and its ``main_grad`` buffer [V/tp, H] (the loss's accumulation dtype)."""
+
+    weight: torch.Tensor
+    """The lm_head weight (the Parameter itself, which carries DDP's attributes)."""
+    buffer: torch.Tensor
+    """``weight.main_grad``."""
+
+    def placeholder_grad(self) -> torch.Tensor | None:
+        """Mark dW as added (DDP then skips it) and return what backward returns for the weight."""
+        if not hasattr(self.weight, "grad_added_to_main_grad"):
+            return None
+        self.weight.grad_added_to_main_grad = True
+        if getattr(self.weight, "zero_out_wgrad", False) or self.weight.grad is not None:
+            return None             # a grad still there (no DDP hook dropped it) would be accumulated in place
+        return self.weight.detach()
+
+
+def main_grad_of(weight: torch.Tensor, dtype: torch.dtype, enabled: bool) -> MainGrad | None:
+    """``weight``'s main_grad when dW should be accumulated there: ``enabled``, the weight needs a gradient and has a
+    ``main_grad`` of the loss's accumulation ``dtype`` (fp32; a bf16 main_grad is left to DDP: dW is returned) that
+    is not Megatron-FSDP's (allocated lazily by its own hooks)."""
+    buffer = getattr(weight, "main_grad", None)
+    if (not enabled or buffer is None or not weight.requires_grad or buffer.dtype != dtype
+            or hasattr(weight, "__fsdp_param__")):
+        return None
+    if buffer.shape != weight.shape:
+        raise ValueError(f"weight.main_grad has shape {tuple(buffer.shape)}, the weight {tuple(weight.shape)}")
+    return MainGrad(weight, buffer)
+
+
+def input_grads(ctx, plan: LossPlan) -> tuple[bool, bool]:
+    """(dX needed, dW needed) for a loss Function's forward: an input requires grad and grad mode was on at the call.
+    ``ctx.needs_input_grad`` alone is not enough: it follows ``requires_grad`` even under ``torch.no_grad()``, and
+    inside ``Function.forward`` grad mode is always off."""
+    return plan.grad_enabled and ctx.needs_input_grad[0], plan.grad_enabled and ctx.needs_input_grad[1]
+
+
+def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Scale (grad_in_forward) in place and cast to the input's dtype. A half ``grad`` is scaled in fp32 (a 0-dim
+    fp32 ``scale`` keeps the op's math in fp32) and rounded once."""
+    if grad is None:
+        return None
+    if scale is not None:
+        grad.mul_(scale if grad.dtype in (torch.float16, torch.bfloat16) else scale.to(grad.dtype))
+    return grad.to(dtype)
+
+
+def loss_totals(ctx, plan: LossPlan, totals: torch.Tensor):
+    """[kd_sum, ce_sum, mass_sum] -> (loss_sum, kd_sum, ce_sum, mass_sum) as fp32 scalars (float64 for float64),
+    the outputs of every loss Function's forward; only loss_sum is differentiable (``ctx`` is that Function's)."""
+    options = plan.options
+    kd_sum, ce_sum, mass_sum = (t.clone() for t in totals.unbind())
+    loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
+    ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum)
+    return loss_sum, kd_sum, ce_sum, mass_sum
 
 
 def _weight_blocks(weight: torch.Tensor, dtype: torch.dtype, block_rows: int):
@@ -185,3 +265,45 @@ class _FusedTopKKL(torch.autograd.Function):
 def fused_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
     """hidden [T, H] (already mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum)."""
     return _FusedTopKKL.apply(hidden, weight, plan, batch)
+
+
+class _FusedTokenValues(torch.autograd.Function):
+    """(hidden [T, H], weight [V/tp, H]) -> (l [T], f [T]): each token's label log-prob and KD value
+    (``fused_token_values``); backward scales each token's two gradients by their own incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, plan: LossPlan, batch):
+        need_dx, need_dw = input_grads(ctx, plan)
+        ctx.plan, ctx.batch, ctx.input_dtypes = plan, batch, (hidden.dtype, weight.dtype)
+        ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
+        values = PerToken(hidden.new_zeros(hidden.shape[0], dtype=plan.dtype),
+                          hidden.new_zeros(hidden.shape[0], dtype=plan.dtype))
+        logits = _logits_source(hidden, weight, _gemm_dtype(plan, hidden, weight), _block_rows(plan, weight))
+        _, ctx.saved_coefs = forward_pass(plan, batch, logits, None, keep_coefs=need_dx or need_dw, per_token=values)
+        ctx.save_for_backward(hidden, weight)
+        return values.ce.neg_(), values.kd
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_kd):
+        hidden, weight = ctx.saved_tensors
+        plan, main_grad = ctx.plan, ctx.main_grad
+        ctx.main_grad = None
+        dtype = _gemm_dtype(plan, hidden, weight)
+        block_rows = _block_rows(plan, weight)
+        d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, *ctx.needs_input_grad[:2], main_grad)
+        backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_kd.to(plan.dtype),
+                      _logits_source(hidden, weight, dtype, block_rows),
+                      _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows),
+                      ce_scale=-grad_logprobs.to(plan.dtype))                     # d l / d r = -d ce / d r
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        weight_grad = main_grad.placeholder_grad() if main_grad is not None else finish_grad(d_weight, None,
+                                                                                              weight_dtype)
+        return finish_grad(d_hidden, None, hidden_dtype), weight_grad, None, None
+
+
+def fused_token_values(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan,
+                       batch: KDBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (l [T] each token's label log-prob at tau = 1,
+    f [T] its KD value tau^2 f_t), from one recompute-mode pass over the logits chunks (a per-token pass of
+    ``chunk_loop``); backward scales each token's CE and KD gradients by their own incoming gradients."""
+    return _FusedTokenValues.apply(hidden, weight, plan, batch)

@@ -1,7 +1,14 @@
-"""Dense top-K KD, the reference: full logits [T, V] (gathered over TP), the teacher expanded into a [T, V] grid,
-the loss written from its definition on the grid and differentiated by autograd. Memory ~ 5-6 T*V tensors.
+"""The two reference formulations of the top-K loss, kept beside the fused one as the published comparison's
+baselines: same options, same results (``topk_kd_loss(impl="dense" | "forward_chunked")``).
+
+``dense_topk_kl`` — full logits [T, V] (gathered over TP), the teacher expanded into a [T, V] grid, the loss written
+from its definition on the grid and differentiated by autograd. Memory ~ 5-6 T*V tensors.
 ``tail="sampled"``: the grid holds the importance-weighted estimate P^ of the teacher (weights of repeated draws
 summed) and f = sum_k w_k l_k - sum_v P^_v log q_v.
+
+``forward_chunked_topk_kl`` — the full logits [T, V/tp] exist, the teacher stays sparse, and the loss and
+d loss / d logits are formed chunk by chunk (the shared ``chunk_loop``) into a [T, V/tp] gradient buffer during
+forward (memory ~ 2 T V/tp; ``mode`` does not apply). Autograd then forms dX = G W and dW = G^T X.
 """
 
 from __future__ import annotations
@@ -9,8 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .chunk_loop import KDBatch, LossPlan, forward_pass
 from .divergence import bucket_divergence
+from .fused_head import input_grads, loss_totals
 from .options import KDLossOptions
+from .teacher import SampledTeacher, TopKTeacher
 from .tp import VocabShard
 
 
@@ -48,20 +58,20 @@ def _teacher_grid(teacher_ids, teacher_logprobs, logits, options: KDLossOptions,
 
 
 @torch.no_grad()
-def _sampled_grid(teacher_ids, teacher_logprobs, sample_weights, shape, dtype):
+def _sampled_grid(teacher_ids, teacher_logprobs, draw_weights, shape, dtype):
     """(P^ [T, V]: the summed weights of each drawn id, sum_k w_k l_k [T]); a slot is drawn when l > -inf, w > 0."""
-    weights = torch.where((teacher_logprobs > -torch.inf) & (sample_weights > 0), sample_weights.to(dtype), 0.0)
+    weights = torch.where((teacher_logprobs > -torch.inf) & (draw_weights > 0), draw_weights.to(dtype), 0.0)
     p_hat = torch.zeros(shape, dtype=dtype, device=teacher_ids.device).scatter_add_(-1, teacher_ids, weights)
     return p_hat, torch.where(weights > 0, weights * teacher_logprobs, 0.0).sum(-1)
 
 
-def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
-                  teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, labels: torch.Tensor | None,
-                  options: KDLossOptions, shard: VocabShard, dtype: torch.dtype,
-                  sample_weights: torch.Tensor | None = None):
-    """hidden [T, H] (mapped into the TP region), weight [V/tp, H], teacher [T, K] (and sample_weights [T, K] for
+def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeacher | SampledTeacher,
+                  loss_mask: torch.Tensor, labels: torch.Tensor | None, options: KDLossOptions, shard: VocabShard,
+                  dtype: torch.dtype):
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H], teacher [T, K] (a ``SampledTeacher`` for
     tail="sampled"), loss_mask/labels [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
     tau = options.temperature
+    teacher_ids, teacher_logprobs = teacher.ids, teacher.logprobs
     logits = hidden.to(dtype) @ weight.to(dtype).t()                         # [T, V/tp]
     if shard.group is not None:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -74,7 +84,7 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         ce_sum = (weights * torch.where(loss_mask != 0, ce, 0.0)).sum()
     log_q = (logits if tau == 1.0 else logits / tau).log_softmax(-1)         # [T, V] student log q
     if options.tail == "sampled":
-        p_hat, cross = _sampled_grid(teacher_ids.long(), teacher_logprobs.to(dtype), sample_weights, log_q.shape,
+        p_hat, cross = _sampled_grid(teacher_ids.long(), teacher_logprobs.to(dtype), teacher.weights, log_q.shape,
                                      dtype)
         kd = cross - (p_hat * log_q).sum(-1)
         with torch.no_grad():
@@ -106,3 +116,34 @@ def _sums(kd, student_mass, ce_sum, loss_mask, options: KDLossOptions):
     mass_sum = torch.where(counted, student_mass, 0.0).sum()
     loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
     return loss_sum, kd_sum.detach(), ce_sum.detach(), mass_sum
+
+
+class _ChunkedLogitsKL(torch.autograd.Function):
+    """logits [T, V/tp] -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
+
+    @staticmethod
+    def forward(ctx, logits, plan: LossPlan, batch: KDBatch):
+        dtype = plan.dtype
+        grad = torch.empty(logits.shape, dtype=dtype, device=logits.device) if input_grads(ctx, plan)[0] else None
+
+        def logits_chunk(rows: slice) -> torch.Tensor:                       # the gradient rows double as buffer
+            buffer = grad[rows] if grad is not None else torch.empty(logits[rows].shape, dtype=dtype, device=logits.device)
+            return buffer.copy_(logits[rows])
+
+        on_grad = (lambda rows, chunk_grad: None) if grad is not None else None   # already written in place
+        totals, _ = forward_pass(plan, batch, logits_chunk, on_grad, keep_coefs=False)
+        ctx.grad, ctx.logits_dtype = grad, logits.dtype
+        return loss_totals(ctx, plan, totals)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.grad is None:
+            raise RuntimeError("the forward-chunked KD loss supports one backward per forward")
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(grad_loss.to(grad.dtype)).to(ctx.logits_dtype), None, None
+
+
+def forward_chunked_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum)."""
+    logits = hidden @ weight.t()                                             # [T, V/tp]
+    return _ChunkedLogitsKL.apply(logits, plan, batch)

@@ -20,7 +20,7 @@ LSE(z) combines the local ones as in ``topk.py``. The ``[s, b, V]`` grid is neve
 are the same numbers at any TP size, so the draws equal the TP=1 draws except when a u_n · ΣT falls within a few
 float64 ulps of a CDF step (summation order differs), probability ~1e-15 per draw.
 
-The uniforms are a pure function of (seed, global sample index): :func:`sample_uniforms`. Draws therefore do not
+The uniforms are a pure function of (seed, global sample index): :func:`draw_uniforms`. Draws therefore do not
 depend on the TP or DP size, the micro-batch size or a resume.
 
 Shapes: logits ``[s, b, V/tp]``, uniforms ``[s, b, N]`` -> ids / log-probs ``[s, b, N]``, ``G`` and ``finite``
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megatron_kd_plugin.cache.topk import group_size, combine_logsumexp
 
 
-class TeacherSample(NamedTuple):
+class TeacherDraws(NamedTuple):
     """N draws per token, identical on every TP rank.
 
     ids: int64 ``[s, b, N]`` the drawn global vocab ids, sorted ascending (duplicates kept).
@@ -55,13 +55,13 @@ class TeacherSample(NamedTuple):
     finite: torch.Tensor
 
 
-def sample_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: int, n: int) -> torch.Tensor:
+def draw_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: int, n: int) -> torch.Tensor:
     """float64 ``[seq_length, num_samples, n]`` in [0, 1): sample i's from ``numpy.random.default_rng([seed, i])``."""
     return torch.from_numpy(np.stack([np.random.default_rng([seed, first_sample + i]).random((seq_length, n))
                                       for i in range(num_samples)], axis=1))
 
 
-def sample_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None,
+def draw_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None,
                    proposal_temperature: float) -> torch.Tensor:
     """Importance weights w ``[..., N]`` of N draws (one slot = one draw) from l ``[..., N]`` and G ``[...]``.
 
@@ -81,9 +81,9 @@ def last_index(mask: torch.Tensor) -> torch.Tensor:
     return mask.shape[-1] - 1 - mask.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
 
 
-def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
+def vocab_parallel_draws(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
                           proposal_temperature: float = 1.0, tp_group=None,
-                          block_bytes: int = 2**30) -> TeacherSample:
+                          block_bytes: int = 2**30) -> TeacherDraws:
     """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
 
     ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
@@ -98,15 +98,15 @@ def vocab_parallel_sample(logits: torch.Tensor, uniforms: torch.Tensor, *, tempe
         raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
     rows = max(1, block_bytes // (13 * logits[0].numel()))                     # positions per block
     if logits.shape[0] > rows:
-        blocks = [_sample_block(logits[i:i + rows], uniforms[i:i + rows], temperature, proposal_temperature,
+        blocks = [_draw_block(logits[i:i + rows], uniforms[i:i + rows], temperature, proposal_temperature,
                                 tp_group) for i in range(0, logits.shape[0], rows)]
-        return TeacherSample(*(torch.cat(parts) for parts in zip(*blocks)))
-    return _sample_block(logits, uniforms, temperature, proposal_temperature, tp_group)
+        return TeacherDraws(*(torch.cat(parts) for parts in zip(*blocks)))
+    return _draw_block(logits, uniforms, temperature, proposal_temperature, tp_group)
 
 
-def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, proposal_temperature: float,
-                  tp_group) -> TeacherSample:
-    """:func:`vocab_parallel_sample` on one block of positions."""
+def _draw_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, proposal_temperature: float,
+                  tp_group) -> TeacherDraws:
+    """:func:`vocab_parallel_draws` on one block of positions."""
     tp = group_size(tp_group)
     vocab_local = logits.shape[-1]
     z = logits.float() / temperature                                             # [s, b, V/tp] float32, a copy
@@ -144,5 +144,5 @@ def _sample_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     if proposal_temperature == 1.0:
         lognorm = torch.zeros_like(lognorm)
     finite = torch.isfinite(lse_z) & torch.isfinite(lognorm) & torch.isfinite(logprobs).all(dim=-1)
-    return TeacherSample(ids=ids, logprobs=logprobs.float(), proposal_lognorm=lognorm.float(),
+    return TeacherDraws(ids=ids, logprobs=logprobs.float(), proposal_lognorm=lognorm.float(),
                         logsumexp=lse_z.float(), finite=finite)

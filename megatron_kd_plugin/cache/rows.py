@@ -1,0 +1,116 @@
+"""Student training rows read from a store: the typed row, the protocol every kind of teacher row follows, and the
+map-style dataset Megatron's samplers index.
+
+A kind of row (``topk_rows``, ``sampled_rows``, ``cross_tokenizer_rows``; ``row_kinds`` looks one up for a store and
+a student) says in one place what the store holds for it (``serves``), how a row is read (``row``: a ``KDRow`` whose
+``teacher`` is the kind's typed teacher, which picks the loss: ``megatron_kd_plugin.loss.step``) and what it needs of
+the run (``check``). Nothing else tests which kind a store or a row is.
+
+Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
+from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
+samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from megatron_kd_plugin.loss import CrossTokenizerTeacher, KDLossOptions, SampledTeacher, TopKTeacher
+
+
+class KDRow(NamedTuple):
+    """One student row, as a dataset yields it ([S] per token) and a DataLoader batches it ([b, S]); a field a
+    pipeline stage does not use may be None (``bridge.forward_step.get_kd_batch``)."""
+
+    tokens: torch.Tensor | None         # [S] int64 input ids
+    labels: torch.Tensor | None         # [S] int64 the token each position predicts
+    loss_mask: torch.Tensor | None      # [S] float32 token weights, 0 = not counted
+    position_ids: torch.Tensor | None   # [S] int64
+    teacher: TopKTeacher | SampledTeacher | CrossTokenizerTeacher | None   # the kind's teacher ([S, K], ...)
+
+
+def window_row(tokens: np.ndarray, teacher) -> KDRow:
+    """The row of a window of S + 1 cached tokens [S + 1] and its teacher ([S, ...]): labels are the tokens shifted
+    by one, every position counted."""
+    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    seq_length = len(tokens) - 1
+    return KDRow(tokens[:-1], tokens[1:], torch.ones(seq_length, dtype=torch.float32),
+                 torch.arange(seq_length, dtype=torch.long), teacher)
+
+
+class RowKind(abc.ABC):
+    """One kind of teacher row of an open store (``reader``, a ``TopKCacheReader``) for a student of ``seq_length``
+    tokens a row. ``student`` (a ``TokenBytes`` of another identity than the store's tokenizer, or None) and
+    ``alignments`` (where its alignments come from: ``sidecar`` or ``memory``) are the student's tokenizer; only
+    the kind that serves another tokenizer reads them."""
+
+    def __init__(self, reader, *, seq_length: int, student=None, alignments: str = "sidecar"):
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length}: expected >= 1")
+        self.reader, self.seq_length = reader, seq_length
+        self.student, self.alignments_source = student, alignments
+
+    @classmethod
+    @abc.abstractmethod
+    def serves(cls, spec, student) -> bool:
+        """Whether rows of a store of ``spec`` (a ``CacheSpec``) for a student whose tokenizer is ``student`` (a
+        ``TokenBytes`` of another identity than the store's, or None: the store's own tokenizer) are of this kind."""
+
+    @abc.abstractmethod
+    def validate(self, *, vocab_size: int | None = None, k: int | None = None) -> None:
+        """ValueError unless the store fits the student: its ids within ``vocab_size``, its K equal to ``k``
+        (None: not checked)."""
+
+    @abc.abstractmethod
+    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
+        """ValueError, in one line naming the setting to change, for loss options or parallelism these rows cannot
+        serve."""
+
+    @abc.abstractmethod
+    def rows_per_sample(self) -> int:
+        """Student rows per cached sample."""
+
+    @abc.abstractmethod
+    def row(self, sample: int, window: int) -> KDRow:
+        """Row ``window`` of cached sample ``sample``."""
+
+    def prepare(self) -> None:
+        """Work due once before step one (default: none)."""
+
+
+class KDRows(torch.utils.data.Dataset):
+    """``num_rows`` rows of ``kind`` drawn from the cached samples ``sample_ids`` (module docstring)."""
+
+    def __init__(self, kind: RowKind, sample_ids: np.ndarray, *, num_rows: int, seed: int, shuffle: bool = True):
+        if len(sample_ids) == 0:
+            raise ValueError("this split holds no cached samples; change the split or write a larger cache")
+        self.kind = kind
+        self.sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        self.windows_per_sample = kind.rows_per_sample()
+        self.windows_per_epoch = len(self.sample_ids) * self.windows_per_sample
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch, self._order = -1, None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def window_of(self, row: int) -> tuple[int, int]:
+        """(cached sample index, window index) that row ``row`` reads."""
+        if not 0 <= row < self.num_rows:
+            raise IndexError(f"row {row} out of range for a dataset of {self.num_rows} rows")
+        epoch, position = divmod(row, self.windows_per_epoch)
+        if self.shuffle and epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows_per_epoch)
+            self._epoch = epoch
+        window = int(self._order[position]) if self.shuffle else position
+        sample, offset = divmod(window, self.windows_per_sample)
+        return int(self.sample_ids[sample]), offset
+
+    def __getitem__(self, row: int) -> KDRow:
+        return self.kind.row(*self.window_of(int(row)))

@@ -1,0 +1,38 @@
+"""Sampled rows (a store of mode ``sampled``): N ids drawn per token from the teacher, for a student with the
+teacher's tokenizer.
+
+The store holds, per cached sample, the tokens and N drawn ids [S_c, N] (sorted, repeats kept) with the teacher's
+log-prob of each, and, when the proposal temperature t != 1, each token's proposal log-normaliser G [S_c]
+(``format.py``, ``draws.py``). A row is a window as in ``topk_rows`` whose teacher is a ``SampledTeacher``: the ids,
+their log-probs and the importance weights w = (1/N) exp(l (1 - 1/t) + G) computed from them
+(``draws.draw_weights``). Its loss is the top-K loss with ``tail="sampled"`` (forward KL at tau = 1), an unbiased
+estimate of the full-vocab KL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.draws import draw_weights
+from megatron_kd_plugin.cache.rows import KDRow, window_row
+from megatron_kd_plugin.cache.topk_rows import TopKRows
+from megatron_kd_plugin.loss import KDLossOptions, SampledTeacher
+
+
+class SampledRows(TopKRows):
+    """Windows of a sampled store for a student with the teacher's tokenizer (module docstring)."""
+
+    mode = "sampled"
+
+    def check_tail(self, options: KDLossOptions) -> None:
+        if options.tail != "sampled":
+            raise ValueError(f"kd.tail={options.tail!r} does not fit the sampled store {self.reader.path}: its slots "
+                             "are draws, not a top-K; use kd.tail='sampled'")
+
+    def row(self, sample: int, window: int) -> KDRow:
+        spec = self.reader.spec
+        names = (fmt.IDS, fmt.LOGPROBS) + ((fmt.PROPOSAL_LOGNORM,) if spec.stores_proposal_lognorm else ())
+        tokens, rows = self._window(sample, window, names)
+        weights = draw_weights(rows[fmt.LOGPROBS].float(), rows.get(fmt.PROPOSAL_LOGNORM), spec.proposal_temperature)
+        return window_row(tokens, SampledTeacher(rows[fmt.IDS], rows[fmt.LOGPROBS], weights))
