@@ -6,7 +6,7 @@
 """
 
 from .cpu import hf_student_kd_cpu_fp32_config
-from .cross_tokenizer import (
+from .cross_tokenizer_students import (
     llama3_8b_to_qwen3_0p6b_xtok_kd_8k_1gpu_h200_bf16_config,
     tiny_gpt_xtok_kd_cpu_fp32_config,
 )

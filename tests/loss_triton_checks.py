@@ -167,10 +167,10 @@ def test_triton_fused_ragged_rows():
 
 def test_triton_cross_tokenizer_loss_matches_float64():
     """The cross-tokenizer loss (``cross_tokenizer_loss``: the per-token pass, CE and KD coefficients apart) on the
-    kernels, fp32 inputs, chunks of 4 tokens: loss and both gradients against tests/test_crosstok.py's float64
+    kernels, fp32 inputs, chunks of 4 tokens: loss and both gradients against tests/test_cross_tokenizer.py's float64
     reference, ALM alone and with the token-level term."""
     from megatron_kd_plugin.loss import cross_tokenizer_loss, tensor_map
-    from tests.test_crosstok import CASES, cross_teacher, loss_inputs, pair_inputs, reference_loss
+    from tests.test_cross_tokenizer import CASES, cross_teacher, loss_inputs, pair_inputs, reference_loss
 
     inputs = loss_inputs()
     ids, logprobs = (t.to(DEVICE) for t in pair_inputs())

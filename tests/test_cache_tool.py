@@ -23,6 +23,7 @@ from tests.distributed import run_on_ranks, scaled
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "cache_teacher_logits.py"
+PAUSED_TOOL = ROOT / "tests" / "paused_cache_tool.py"   # the same command, stopping itself at a shard boundary
 SPEC = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
                seq_length=16)
 S, K = 16, 8
@@ -144,15 +145,15 @@ def _done(output) -> int:
 
 
 def _kill_paused(command, output, pause_after, *, orphan_workers=False, timeout=scaled(600)):
-    """Starts the torchrun ``command`` with each worker stopping itself (SIGSTOP: the writer's test hook
-    ``PAUSE_AFTER_SHARDS``) once it has written ``pause_after`` shards in this run, waits until both are stopped
+    """Starts the torchrun ``command`` with each worker stopping itself (SIGSTOP: ``tests/paused_cache_tool.py``
+    passes the command a callback) once it has written ``pause_after`` shards in this run, waits until both are stopped
     (a shard boundary, whatever the machine's speed), then SIGKILLs torchrun's process group and every worker
     (torch elastic starts each in its own session: killing torchrun's group alone leaves them running).
     ``orphan_workers``: kill torchrun's group only, as ``kill -9 -PGID`` does, and return its stopped workers, still
     alive when a second run starts; else return []."""
-    from megatron_kd_plugin.cache.writer import PAUSE_AFTER_SHARDS
-
-    proc = subprocess.Popen(command, env=_env(2) | {PAUSE_AFTER_SHARDS: str(pause_after)},
+    tool = command.index(str(TOOL))
+    command = command[:tool] + [str(PAUSED_TOOL), str(pause_after)] + command[tool + 1:]
+    proc = subprocess.Popen(command, env=_env(2),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     while True:
@@ -256,8 +257,8 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
     command = [arg for arg in _cache_command(work / "teacher", str(work / "data"), output, "--tp", "2",
                                              "--num-samples", "6", "--micro-batch-size", "4",
                                              "--logprob-codec", "fp32", "--samples-per-shard", "4", nproc=2)
-               if arg not in ("--topk", str(K))] + ["--sample", str(n), "--proposal-temperature", str(t),
-                                                    "--sample-seed", "3"]
+               if arg not in ("--topk", str(K))] + ["--draws", str(n), "--proposal-temperature", str(t),
+                                                    "--draw-seed", "3"]
     result = subprocess.run(command, env=_env(2), capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sampled N=16" in result.stdout
@@ -280,10 +281,10 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--topk", "4", "--sample", "8"], "exclude each other"),
+    (["--topk", "4", "--draws", "8"], "exclude each other"),
     (["--proposal-temperature", "2"], "only apply to a sampled store"),
-    (["--sample", "0"], "--sample=0"),
-    (["--sample", "8", "--proposal-temperature", "-1"], "expected > 0"),
+    (["--draws", "0"], "--draws=0"),
+    (["--draws", "8", "--proposal-temperature", "-1"], "expected > 0"),
 ])
 def test_cli_refuses_bad_sampling_options(argv, message, capsys):
     from megatron_kd_plugin.commands.cache import parse_args

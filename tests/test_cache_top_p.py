@@ -161,9 +161,9 @@ def test_cli_refuses_top_p_with_sample(tmp_path, capsys):
     from megatron_kd_plugin.commands.cache import main
 
     assert main(["--teacher", "t", "--data", "d", "--output", str(tmp_path / "o"), "--seq-length", "8",
-                 "--sample", "8", "--top-p", "0.9"]) == 2
+                 "--draws", "8", "--top-p", "0.9"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: --top-p and --sample exclude each other: a top-p store keeps the most probable ids up to the mass P "
+        "error: --top-p and --draws exclude each other: a top-p store keeps the most probable ids up to the mass P "
         "(--topk K is its cap), a sampled store draws N ids from the whole distribution"]
 
 

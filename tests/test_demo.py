@@ -231,13 +231,13 @@ def test_compression_keeps_the_chosen_layers_and_most_active_mlp_channels(tiny_h
     channels' weights zeroed (a zeroed channel adds nothing): an independent construction of the same model."""
     import transformers
 
-    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo import qwen3_models
 
     teacher = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_qwen3, dtype=torch.float64).eval()
     calibration = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
-    student = hf.compress(teacher, (1,), 0.25, calibration)
+    student = qwen3_models.compress(teacher, (1,), 0.25, calibration)
     assert (student.config.num_hidden_layers, student.config.intermediate_size) == (1, 32)
-    importance = hf.mlp_channel_importance(teacher, calibration)[1]                  # [128]
+    importance = qwen3_models.mlp_channel_importance(teacher, calibration)[1]                  # [128]
     kept = importance.argsort(descending=True)[:32]
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_qwen3, dtype=torch.float64).eval()
     mlp = reference.model.layers[1].mlp
@@ -252,7 +252,7 @@ def test_compression_keeps_the_chosen_layers_and_most_active_mlp_channels(tiny_h
         torch.testing.assert_close(student(input_ids=tokens, use_cache=False).logits,
                                    reference(input_ids=tokens, use_cache=False).logits)
     with pytest.raises(ValueError, match="keep_layers"):
-        hf.compress(teacher, (1, 0), 0.5, calibration)
+        qwen3_models.compress(teacher, (1, 0), 0.5, calibration)
 
 
 def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_the_checkout(tmp_path):

@@ -1,25 +1,28 @@
 """The package's layers hold for every import (CONTRIBUTING.md, "Layers"): each unit imports only from units in
 lower layers, never from its own layer or above, and ``bridge`` reads stores only through the names
-``megatron_kd_plugin.cache`` exports. Every import statement counts, the lazy ones inside functions too. Also: the
-modules that moved keep working under their old names, with a DeprecationWarning (``_moved.py``)."""
+``megatron_kd_plugin.cache`` exports. Every import statement counts, the lazy ones inside functions too. Also: no two
+modules share a file name (one meaning per name)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import collections
 import os
 import pathlib
-import runpy
-import sys
 
 import pytest
 
 PACKAGE = "megatron_kd_plugin"
-ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO / PACKAGE
+FOLDERS = {PACKAGE: ROOT, f"{PACKAGE}.recipes": REPO / "recipes"}
+"""Where each part of the package's sources lives (pyproject.toml's package-dir: the recipes are the top-level
+folder)."""
 
 # Lowest first. A unit is a subpackage or a top-level module of the package.
 LAYERS = (
-    {"cpu_compat", "kernels", "_moved"},
+    {"cpu_compat", "kernels"},
     {"loss", "models"},
     {"cache", "bridge"},
     {"recipes"},
@@ -31,14 +34,15 @@ STORE_INTERFACE = "megatron_kd_plugin.cache"   # the one thing of cache's that b
 
 
 def package_sources() -> dict[str, str]:
-    """{module name: source} of every module of the package, the recipes (a linked folder) included."""
+    """{module name: source} of every module of the package, the recipes included."""
     sources = {}
-    for folder, _, files in os.walk(ROOT, followlinks=True):
-        for name in files:
-            if name.endswith(".py"):
-                parts = (pathlib.Path(folder) / name).relative_to(ROOT).with_suffix("").parts
-                module = ".".join((PACKAGE,) + (parts[:-1] if parts[-1] == "__init__" else parts))
-                sources[module] = (pathlib.Path(folder) / name).read_text()
+    for prefix, top in FOLDERS.items():
+        for folder, _, files in os.walk(top):
+            for name in files:
+                if name.endswith(".py"):
+                    parts = (pathlib.Path(folder) / name).relative_to(top).with_suffix("").parts
+                    module = ".".join((prefix,) + (parts[:-1] if parts[-1] == "__init__" else parts))
+                    sources[module] = (pathlib.Path(folder) / name).read_text()
     return sources
 
 
@@ -80,8 +84,7 @@ def violations(sources: dict[str, str], packages: set[str], cache_exports: set[s
                 if other is None or other == unit:
                     continue
                 if unit is None:                              # the package's own __init__
-                    if other != "_moved":
-                        found.append(f"{where}: the package's __init__ installs the moved names, nothing else")
+                    found.append(f"{where}: the package's __init__ imports nothing of its own")
                     continue
                 if other not in RANK or unit not in RANK:
                     found.append(f"{where}: unit {other if other not in RANK else unit!r} has no layer")
@@ -97,8 +100,8 @@ def violations(sources: dict[str, str], packages: set[str], cache_exports: set[s
 def test_every_import_goes_down_the_layers():
     sources = package_sources()
     assert {"megatron_kd_plugin.recipes.tiny", "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.models.hf",
-            "megatron_kd_plugin.bridge.dataset"} <= set(sources)
-    packages = {m for m in sources if (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
+            "megatron_kd_plugin.bridge.provider", "megatron_kd_plugin.cache.topk_rows"} <= set(sources)
+    packages = {m for m in sources if m in FOLDERS or (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
     cache = importlib.import_module(STORE_INTERFACE)
     assert violations(sources, packages, set(cache.__all__)) == []
     # the commands are reached by name only, from the top
@@ -124,20 +127,10 @@ def test_the_check_finds_imports_against_the_layers():
         "megatron_kd_plugin.models.student:1", "megatron_kd_plugin.recipes:2"], found
 
 
-@pytest.mark.parametrize("old, new", [("megatron_kd_plugin.gpt", "megatron_kd_plugin.models.gpt"),
-                                      ("megatron_kd_plugin.cache.inspect", "megatron_kd_plugin.commands.inspect")])
-def test_a_moved_module_still_imports_under_its_old_name_with_a_warning(old, new, monkeypatch):
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-
-
-def test_python_dash_m_with_an_old_name_runs_the_moved_command(monkeypatch, capsys):
-    old = "megatron_kd_plugin.bridge.train_cli"
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    monkeypatch.setattr(sys, "argv", [old, "--help"])
-    with pytest.warns(DeprecationWarning, match="moved to megatron_kd_plugin.commands.train"), \
-            pytest.raises(SystemExit) as exited:
-        runpy.run_module(old, run_name="__main__", alter_sys=True)
-    assert exited.value.code == 0 and "--recipe" in capsys.readouterr().out
+def test_no_two_modules_share_a_file_name():
+    """One meaning per name: a module's file name (``__init__`` and ``__main__`` aside) occurs once in the package."""
+    names = collections.Counter(module.rsplit(".", 1)[-1] for module in package_sources()
+                                if module not in FOLDERS and not module.endswith(".__main__"))
+    packages = {module.rsplit(".", 1)[-1] for module in package_sources()
+                if (ROOT.joinpath(*module.split(".")[1:]) / "__init__.py").is_file()}
+    assert [name for name, count in names.items() if count > 1 and name not in packages] == []

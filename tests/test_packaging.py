@@ -25,9 +25,8 @@ def install_package(target: pathlib.Path) -> pathlib.Path:
     for name in ("pyproject.toml", "README.md"):
         source.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / name, source / name)
-    for folder in ("megatron_kd_plugin", "recipes"):   # the link megatron_kd_plugin/recipes -> ../recipes kept
-        shutil.copytree(REPO_ROOT / folder, source / folder, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("megatron_kd_plugin", "recipes"):   # recipes/: installed as megatron_kd_plugin.recipes
+        shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(source)], check=True, capture_output=True,
                    timeout=scaled(120))
@@ -59,7 +58,7 @@ IMPORT_EVERYTHING = textwrap.dedent("""
 
 def test_installed_package_runs_without_the_repository(tmp_path):
     installed = install_package(tmp_path / "site")
-    # nothing outside the package's own name: the recipes install as megatron_kd_plugin.recipes, real files
+    # nothing outside the package's own name: the recipes install as megatron_kd_plugin.recipes (package-dir)
     assert sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")) == ["megatron_kd_plugin"]
     recipes = installed / "megatron_kd_plugin" / "recipes"
     assert recipes.is_dir() and not recipes.is_symlink() and (recipes / "tiny.py").is_file()
@@ -89,3 +88,14 @@ def test_installed_package_runs_without_the_repository(tmp_path):
     mini = PRESETS["mini"]   # the recipe resolved, with the from-scratch demo's overrides applied
     assert (report["num_layers"], report["alpha"], report["cache_path"]) == (
         mini.student.num_layers, mini.kd_alpha, "cache.zarr")
+
+
+def test_pyproject_lists_every_subpackage():
+    """pyproject.toml names the packages one by one (the recipes come from another folder): every folder of the
+    package with an __init__.py is listed, and nothing else."""
+    import tomllib
+
+    listed = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {".".join(p.parent.relative_to(REPO_ROOT).parts) for p in (REPO_ROOT / "megatron_kd_plugin").rglob(
+        "__init__.py") if "__pycache__" not in p.parts}
+    assert sorted(listed) == sorted(folders | {"megatron_kd_plugin.recipes"})

@@ -386,7 +386,7 @@ def overhead_runs(args) -> None:
         tokens = np.random.default_rng(0).integers(0, 32768, args.samples * args.seq_length + 1)
         builder.add_document(tokens.astype(np.int32), [len(tokens)])
         builder.finalize(str(work / "data.idx"))
-        modes = [["--topk", str(args.k)]] + ([["--sample", str(n)] for n in args.draws] if args.sampled else [])
+        modes = [["--topk", str(args.k)]] + ([["--draws", str(n)] for n in args.draws] if args.sampled else [])
         for tp, ep in [(tp, ep) for tp in args.tp for ep in (args.ep if args.overhead_hf else [1])]:
             for mode in modes:
                 world = tp * ep

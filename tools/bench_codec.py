@@ -10,7 +10,7 @@ order, normalised over the full vocabulary) with its tokens to ``OUTPUT/NAME.npz
 - ``confident``: ``tools/bench_quality.py``'s confident teacher (the ``small`` preset of the from-scratch demo: BPE
   vocab 512, a 2 x 128 megatron-core GPT trained 1,200 steps);
 - ``uncertain``: its uncertain teacher (the same with ``--vocab-size 2048 --teacher-steps 300``);
-- ``hf_qwen3``: the heal demo's trained Hugging Face Qwen3 teacher (``megatron_kd_plugin/demo/hf.py``, 4 x 256,
+- ``hf_qwen3``: the heal demo's trained Hugging Face Qwen3 teacher (``megatron_kd_plugin/demo/qwen3_models.py``, 4 x 256,
   vocab 4,096), given as the ``teacher`` and ``data/train`` of a finished ``python -m megatron_kd_plugin demo``
   folder (``--hf-teacher``, ``--hf-data``);
 - ``synthetic32768``, ``synthetic201088``: ``tools/bench_cache.py``'s synthetic peaked teacher at that vocabulary
@@ -69,7 +69,7 @@ def prepare_scratch_teacher(name: str, output: pathlib.Path, samples: int, **ove
     """Trains the quality benchmark's teacher (the ``small`` preset, ``overrides`` applied) and saves its rows."""
     from megatron_kd_plugin.demo import scratch
     from megatron_kd_plugin.demo.data import build_corpus, token_windows
-    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.demo.teacher_training import single_process_megatron
     from megatron_kd_plugin.models.gpt import gpt_logits, load_gpt
 
     cfg = scratch.PRESETS["small"]
@@ -92,10 +92,10 @@ def prepare_scratch_teacher(name: str, output: pathlib.Path, samples: int, **ove
 def prepare_hf_teacher(teacher: pathlib.Path, data: pathlib.Path, output: pathlib.Path, samples: int,
                        seq_length: int) -> None:
     """The demo's trained HF Qwen3 teacher on its train split."""
-    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo import qwen3_models
     from megatron_kd_plugin.demo.data import token_windows
 
-    model = hf.load(teacher)
+    model = qwen3_models.load(teacher)
     tokens = token_windows(data, seq_length, max_samples=samples)
     save_rows(output / "hf_qwen3.npz", tokens, lambda t: model(input_ids=t, use_cache=False).logits.float(),
               f"demo HF Qwen3 teacher {teacher} ({model.config.num_hidden_layers} x {model.config.hidden_size}, "

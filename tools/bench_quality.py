@@ -4,7 +4,7 @@
 
 First the demo's stages 1-3 (``megatron_kd_plugin.demo.scratch``, the from-scratch demo: stdlib corpus, teacher, top-100 cache at
 TP=2), or ``--reuse`` a finished ``demo --from-scratch`` folder's; then, for the sampled variants, sampled stores written by the same
-cache tool (``--sample N``, TP=2). Then students of one architecture, step budget, batch order, learning-rate
+cache tool (``--draws N``, TP=2). Then students of one architecture, step budget, batch order, learning-rate
 schedule and seed, each trained by the Megatron-Bridge CPU path (``train_on_cpu``) in its own child process,
 differing only in their loss:
 
@@ -78,7 +78,7 @@ def dense_forward_step(teacher, alpha: float):
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     from megatron_kd_plugin.bridge.forward_step import get_kd_batch
-    from megatron_kd_plugin.demo.train import causal_inputs
+    from megatron_kd_plugin.demo.teacher_training import causal_inputs
 
     def processor(*, hidden_states, output_layer, output_weight, context, **_):
         weight = output_weight if output_weight is not None else output_layer.weight    # [V, H]
@@ -203,7 +203,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     from megatron_kd_plugin.demo.data import DemoCorpus, padded_vocab_size, token_windows
     from megatron_kd_plugin.demo.metrics import evaluate
     from megatron_kd_plugin.demo.scratch import PRESETS, STUDENT_RECIPE, student_overrides
-    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.demo.teacher_training import single_process_megatron
     from megatron_kd_plugin.models.gpt import load_gpt
     from megatron_kd_plugin.commands.train import build_config
 
@@ -263,7 +263,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     tokenizer's vocabulary size and the teacher's steps may override the preset's."""
     from megatron_kd_plugin.demo import scratch as pipeline
     from megatron_kd_plugin.demo.data import build_corpus
-    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.demo.teacher_training import single_process_megatron
 
     if (work / "cache.zarr").exists() and not overwrite:
         built = json.loads((work / "config.json").read_text())

@@ -44,7 +44,7 @@ class CrossTokenizerRows(RowKind):
                              "(dataset.student_tokenizer): segments would be split across CP ranks; use 1")
         if options.token_weight > 0 and self.reader.spec.mode == "sampled":
             raise ValueError(f"kd.token_weight={options.token_weight} needs the teacher's top-K, and "
-                             f"{self.reader.path} is a sampled store; write it without --sample")
+                             f"{self.reader.path} is a sampled store; write it without --draws")
 
     def rows_per_sample(self) -> int:
         return 1

@@ -25,7 +25,6 @@ import errno
 import os
 import pathlib
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -45,9 +44,6 @@ from megatron_kd_plugin.cache.topk import top_p_mask, vocab_parallel_label_logpr
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
-PAUSE_AFTER_SHARDS = "KD_CACHE_TEST_PAUSE_AFTER_SHARDS"
-"""Test hook (environment variable): a rank stops itself with SIGSTOP once it has written this many shards in
-this run (0: right after the store is prepared), so that a test kills it at a known shard boundary."""
 
 
 @dataclass(kw_only=True)
@@ -326,7 +322,8 @@ def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
 
 
 def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, logits_fn: LogitsFn, *,
-                  micro_batch_size: int, tp_group, dp_rank: int, dp_size: int, progress: bool) -> WriteStats:
+                  micro_batch_size: int, tp_group, dp_rank: int, dp_size: int, progress: bool,
+                  on_shard_written: Callable[[int], None]) -> WriteStats:
     """Computes this rank's shards not marked done and, on TP rank 0, writes them."""
     group = zarr.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
@@ -342,7 +339,7 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
     bar = tqdm(total=sum(end - begin for begin, end in map(spec.shard_range, todo)) * spec.seq_length,
                unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
     loop_start = time.perf_counter()
-    _pause_for_tests(stats.shards_written)
+    on_shard_written(stats.shards_written)
     for shard in todo:
         begin, end = spec.shard_range(shard)
         arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
@@ -354,16 +351,10 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
         if _world()[0] == 0:
             shards_done = int(group[fmt.SHARD_DONE][:].sum())
             group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
-        _pause_for_tests(stats.shards_written)
+        on_shard_written(stats.shards_written)
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
     return stats
-
-
-def _pause_for_tests(shards_written: int) -> None:
-    """SIGSTOP of this process when :data:`PAUSE_AFTER_SHARDS` asks for it at ``shards_written``."""
-    if os.environ.get(PAUSE_AFTER_SHARDS) == str(shards_written):
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def refuse_while_written(output) -> None:
@@ -380,6 +371,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 top_p: float | None = None, min_k: int | None = None, overwrite: bool = False,
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
+                on_shard_written: Callable[[int], None] = lambda shards_written: None,
                 vocab_table=None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
@@ -392,7 +384,9 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
     nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring). ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
-    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). Returns this rank's
+    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). ``on_shard_written`` is called on every
+    rank with the number of shards it has written in this run, once the store is prepared (0) and after each shard
+    (the kill test stops its workers there, at known shard boundaries). Returns this rank's
     :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at ``output`` (without
     ``overwrite``), on anything at ``output`` that is not a store of this project, and while another run writes
     the store; OSError naming ``output`` when it cannot be created or the disk fills.
@@ -415,7 +409,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     lock = _agreed(_join_shared, output, lock, everywhere=True)
     try:
         stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,
-                              tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size, progress=progress)
+                              tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size, progress=progress,
+                              on_shard_written=on_shard_written)
         if after_shards is not None:
             after_shards()
         _barrier()

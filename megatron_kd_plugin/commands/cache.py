@@ -24,8 +24,8 @@ written shard and rewrites the damaged ones (byte-identical to a clean run).
 student with its own tokenizer trains from the store (issue #18, ``cache/align.py``); JSONL data are checked to
 round-trip through the byte table first.
 
-``--sample N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
-from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--sample-seed`` and the sample index (the
+``--draws N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
+from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--draw-seed`` and the sample index (the
 same draws at any TP/DP size and after a resume).
 
 ``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
@@ -73,11 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(0 < P <= 1), at least --min-k, at most --topk (the cap); the other slots are padding")
     p.add_argument("--min-k", type=int, default=None, metavar="M",
                    help="the least number of ids a top-p store keeps per token (default 1; only with --top-p)")
-    p.add_argument("--sample", type=int, default=None, metavar="N",
+    p.add_argument("--draws", type=int, default=None, metavar="N",
                    help="write a sampled store of N draws per token instead of the top-K")
     p.add_argument("--proposal-temperature", type=float, default=None,
-                   help="t of the sampled store's proposal q ~ p^(1/t) (default 1; only with --sample)")
-    p.add_argument("--sample-seed", type=int, default=None, help="seed of the draws (default 0; only with --sample)")
+                   help="t of the sampled store's proposal q ~ p^(1/t) (default 1; only with --draws)")
+    p.add_argument("--draw-seed", type=int, default=None, help="seed of the draws (default 0; only with --draws)")
     p.add_argument("--temperature", type=float, default=1.0, help="cache temperature")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (HF teachers)")
@@ -99,17 +99,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "these settings) and rewrite the damaged ones")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.sample is None:
+    if args.draws is None:
         extra = [flag for flag, value in (("--proposal-temperature", args.proposal_temperature),
-                                          ("--sample-seed", args.sample_seed)) if value is not None]
+                                          ("--draw-seed", args.draw_seed)) if value is not None]
         if extra:
-            p.error(f"{' and '.join(extra)} only apply to a sampled store: add --sample N")
+            p.error(f"{' and '.join(extra)} only apply to a sampled store: add --draws N")
         args.mode, args.slots = "topk", 100 if args.topk is None else args.topk
     else:
         if args.topk is not None:
-            p.error("--topk and --sample exclude each other: a store holds the top-K or N draws per token")
-        args.mode, args.slots = "sampled", args.sample
-    for flag, value in (("--topk", args.topk), ("--sample", args.sample)):
+            p.error("--topk and --draws exclude each other: a store holds the top-K or N draws per token")
+        args.mode, args.slots = "sampled", args.draws
+    for flag, value in (("--topk", args.topk), ("--draws", args.draws)):
         if value is not None and value < 1:
             p.error(f"{flag}={value}: expected >= 1")
     if args.proposal_temperature is not None and not args.proposal_temperature > 0:
@@ -126,7 +126,7 @@ def check_top_p(args) -> None:
             raise ValueError(f"--min-k={args.min_k} only applies to a top-p store: add --top-p P")
         return
     if args.mode == "sampled":
-        raise ValueError("--top-p and --sample exclude each other: a top-p store keeps the most probable ids up to "
+        raise ValueError("--top-p and --draws exclude each other: a top-p store keeps the most probable ids up to "
                          "the mass P (--topk K is its cap), a sampled store draws N ids from the whole distribution")
     if not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p={args.top_p}: expected 0 < P <= 1")
@@ -224,9 +224,9 @@ def hf_teacher(args):
     return provider, provider.vocab_size, hf_identity(args.teacher), tokenizer
 
 
-def run(args) -> None:
+def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     """The whole tool on this rank: checks, teacher, store. Creates (and destroys) the process group unless one
-    exists; initialises (and destroys) megatron's parallel_state."""
+    exists; initialises (and destroys) megatron's parallel_state. ``on_shard_written``: ``write_cache``'s."""
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cache.sources import open_source
@@ -273,11 +273,12 @@ def run(args) -> None:
             samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
             micro_batch_size=args.micro_batch_size, mode=args.mode,
             proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-            sample_seed=args.sample_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite,
+            sample_seed=args.draw_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite,
             repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
-            progress=not args.no_progress, after_shards=teacher.finish, vocab_table=vocab_table)
+            progress=not args.no_progress, after_shards=teacher.finish, on_shard_written=on_shard_written,
+            vocab_table=vocab_table)
         if teacher.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             report(args, source, stats)
     finally:
@@ -322,9 +323,10 @@ def report(args, source, stats) -> None:
               "written", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, on_shard_written=lambda shards_written: None) -> int:
+    """The command; ``on_shard_written`` (``write_cache``'s) lets a test stop it at a shard boundary."""
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(parse_args(sys.argv[1:] if argv is None else argv), on_shard_written=on_shard_written)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
-from megatron_kd_plugin.demo.train import causal_inputs
+from megatron_kd_plugin.demo.teacher_training import causal_inputs
 
 ECE_BINS = 15
 

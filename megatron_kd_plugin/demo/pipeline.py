@@ -13,7 +13,7 @@ user runs them, and are written to ``commands.sh``):
              (``data/``, ``megatron_kd_plugin.demo.data``);
 2. teacher   a Qwen3 (transformers: random init, cross entropy on the train split, ``save_pretrained``) with the
              tokenizer beside it (``teacher/``);
-3. compress  the teacher pruned in depth and width (``megatron_kd_plugin.demo.hf.compress``): the student to
+3. compress  the teacher pruned in depth and width (``megatron_kd_plugin.demo.qwen3_models.compress``): the student to
              heal, a HF folder (``student_pruned/``);
 4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 ...``: the teacher's
              top-K over the samples the students will read (``cache.zarr``);
@@ -45,7 +45,7 @@ import sys
 import torch
 
 from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows
-from megatron_kd_plugin.demo.hf import Qwen3Shape
+from megatron_kd_plugin.demo.qwen3_models import Qwen3Shape
 from megatron_kd_plugin.demo.scratch import start_run
 from megatron_kd_plugin.demo.stages import StageClock, stage_lines
 
@@ -135,7 +135,7 @@ def run_command(command: list[str], log: pathlib.Path, commands: pathlib.Path, *
                 ) -> None:
     """Run one of the package's commands as a user would (``python -m megatron_kd_plugin ...``), its output shown
     and kept in ``log``, the command appended to ``commands``; CalledProcessError when it fails."""
-    from megatron_kd_plugin.demo.train import free_port
+    from megatron_kd_plugin.demo.teacher_training import free_port
 
     shown = " ".join(shlex.quote(part) for part in ["python", *command[1:]])
     print(f"[demo] {shown}", flush=True)
@@ -155,29 +155,29 @@ def run_command(command: list[str], log: pathlib.Path, commands: pathlib.Path, *
 
 def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
     """The Qwen3 teacher trained with cross entropy on the train split (this process), saved with its tokenizer."""
-    from megatron_kd_plugin.demo import hf
-    from megatron_kd_plugin.demo.train import TrainConfig, hf_ce_step, micro_batches, train
+    from megatron_kd_plugin.demo import qwen3_models
+    from megatron_kd_plugin.demo.teacher_training import TrainConfig, hf_ce_step, micro_batches, train
 
-    model = hf.new_teacher(cfg.teacher, corpus.vocab_size, cfg.seq_length, corpus.eod_id, cfg.seed)
+    model = qwen3_models.new_teacher(cfg.teacher, corpus.vocab_size, cfg.seq_length, corpus.eod_id, cfg.seed)
     samples = token_windows(corpus.train_prefix, cfg.seq_length)
     train_cfg = TrainConfig(steps=cfg.teacher_steps, micro_batch_size=cfg.micro_batch_size, lr=cfg.teacher_lr)
     history = train(model, hf_ce_step(model, samples, micro_batches(samples, cfg.micro_batch_size, cfg.seed)),
                     train_cfg, desc="teacher (CE)")
     model.eval().save_pretrained(folder)
-    hf.save_tokenizer(corpus.tokenizer_path, folder)
+    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder)
     return history
 
 
 def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, folder: pathlib.Path) -> dict:
-    """The pruned student (``hf.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
-    from megatron_kd_plugin.demo import hf
+    """The pruned student (``qwen3_models.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
+    from megatron_kd_plugin.demo import qwen3_models
 
-    teacher = hf.load(teacher_folder)
+    teacher = qwen3_models.load(teacher_folder)
     calibration = token_windows(corpus.train_prefix, cfg.seq_length)[-cfg.calibration_samples:, :-1]
-    student = hf.compress(teacher, cfg.keep_layers, cfg.mlp_keep, calibration)
+    student = qwen3_models.compress(teacher, cfg.keep_layers, cfg.mlp_keep, calibration)
     student.save_pretrained(folder)
-    hf.save_tokenizer(corpus.tokenizer_path, folder)
-    return {"teacher": hf.parameter_count(teacher), "student": hf.parameter_count(student)}
+    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder)
+    return {"teacher": qwen3_models.parameter_count(teacher), "student": qwen3_models.parameter_count(student)}
 
 
 def package_command(*args: str) -> list[str]:
@@ -217,11 +217,11 @@ def exported_student(run_dir: pathlib.Path, steps: int) -> pathlib.Path:
 def evaluate_folders(cfg: HealConfig, corpus, folders: dict[str, pathlib.Path]) -> dict:
     """Every model loaded by transformers from its folder, evaluated against the teacher on held-out text, plus the
     unigram baseline of the train split."""
-    from megatron_kd_plugin.demo import hf
+    from megatron_kd_plugin.demo import qwen3_models
     from megatron_kd_plugin.demo.metrics import evaluate, hf_logits, unigram_perplexity
 
     heldout = token_windows(corpus.heldout_prefix, cfg.seq_length, max_samples=cfg.eval_samples)
-    models = {name: hf.load(folder) for name, folder in folders.items()}
+    models = {name: qwen3_models.load(folder) for name, folder in folders.items()}
     teacher = models.pop("teacher")
     metrics = evaluate(models, teacher, heldout, micro_batch_size=cfg.micro_batch_size, logits_fn=hf_logits)
     train_tokens = token_windows(corpus.train_prefix, cfg.seq_length).flatten()
@@ -371,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return scratch.main([arg for arg in argv if arg != "--from-scratch"])
     if any(arg == "--student-tokenizer" or arg.startswith("--student-tokenizer=") for arg in argv):
-        from megatron_kd_plugin.demo import crosstok
+        from megatron_kd_plugin.demo import student_tokenizer
 
-        return crosstok.main(argv)
+        return student_tokenizer.main(argv)
     args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
                                                ("heal_steps", args.heal_steps)) if value is not None}

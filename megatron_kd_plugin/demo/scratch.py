@@ -168,7 +168,7 @@ def _gpt_spec(size: ModelSize, cfg: DemoConfig, vocab_size: int):
 
 def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
     """Trains the teacher with cross entropy on the train split (this process, TP=1); saves it to ``folder``."""
-    from megatron_kd_plugin.demo.train import TrainConfig, ce_step, micro_batches, train
+    from megatron_kd_plugin.demo.teacher_training import TrainConfig, ce_step, micro_batches, train
     from megatron_kd_plugin.models.gpt import build_gpt, save_gpt
 
     spec = _gpt_spec(cfg.teacher, cfg, padded_vocab_size(corpus.vocab_size))
@@ -188,7 +188,7 @@ def cache_teacher(cfg: DemoConfig, corpus: DemoCorpus, teacher: pathlib.Path, st
     the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn per token from the teacher at
     ``proposal_temperature`` (a sampled store), or with ``top_p`` a top-p store capped at ``cfg.topk``."""
     mode = (["--topk", str(cfg.topk)] if sample is None
-            else ["--sample", str(sample), "--proposal-temperature", str(proposal_temperature)])
+            else ["--draws", str(sample), "--proposal-temperature", str(proposal_temperature)])
     mode += [] if top_p is None else ["--top-p", str(top_p)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
                "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
@@ -284,7 +284,7 @@ def run_demo(cfg: DemoConfig, output: pathlib.Path, *, overwrite: bool = False) 
     (CorpusError) if it cannot make the data; both before ``output`` is touched.
     """
     from megatron_kd_plugin.demo.metrics import evaluate
-    from megatron_kd_plugin.demo.train import single_process_megatron
+    from megatron_kd_plugin.demo.teacher_training import single_process_megatron
 
     stage = StageClock()
     seconds = stage.seconds
