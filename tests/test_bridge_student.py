@@ -73,8 +73,8 @@ def first_step_reference(cfg, student) -> float:
     batch = fixed_batch(cfg, rows=4)
     losses = []
     for rows in (slice(0, 2), slice(2, 4)):
-        log_q = torch.log_softmax(hf_logits(student, batch["tokens"][rows]), dim=-1)     # [b, s, V]
-        ids, log_p = batch["teacher_ids"][rows].long(), batch["teacher_logprobs"][rows].double()
+        log_q = torch.log_softmax(hf_logits(student, batch.tokens[rows]), dim=-1)        # [b, s, V]
+        ids, log_p = batch.teacher.ids[rows].long(), batch.teacher.logprobs[rows].double()
         p = log_p.exp()
         m, s = p.sum(-1), log_q.gather(-1, ids).exp().sum(-1)
         kl = (p * (log_p - log_q.gather(-1, ids))).sum(-1) + (1 - m) * (torch.log1p(-m) - torch.log1p(-s))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zarr
 
-from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader
+from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader, row_kind
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.sources import TokenWindows, jsonl_windows
 from megatron_kd_plugin.cache.writer import write_cache
@@ -83,17 +83,22 @@ def test_fast_chunk_reads_equal_zarr_reads(tmp_path):
 
 
 def test_windows_of_a_shorter_student_sequence(tmp_path):
+    """A student of seq_length 4 reads S / 4 = 3 windows per sample (``TopKRows``): each the tokens, shifted labels
+    and top-K rows of that stretch of the sample, in the store's dtypes."""
+
     write(tmp_path / "c")
     reader = TopKCacheReader(tmp_path / "c")
-    assert reader.num_windows(4) == N * 3
-    for j in (0, 1, 2, 3, 3 * N - 1):
-        sample, part = divmod(j, 3)
-        window, full = reader.window(j, 4), reader[sample]
-        assert torch.equal(window["tokens"], full["tokens"][4 * part:4 * part + 5])
-        assert torch.equal(window["teacher_ids"], full["teacher_ids"][4 * part:4 * part + 4])
-        assert torch.equal(window["teacher_logprobs"], full["teacher_logprobs"][4 * part:4 * part + 4])
+    kind = row_kind(reader, seq_length=4)
+    assert kind.rows_per_sample() == 3
+    for sample, part in ((0, 0), (0, 1), (0, 2), (1, 0), (N - 1, 2)):
+        row, full = kind.row(sample, part), reader[sample]
+        assert torch.equal(row.tokens, full["tokens"][4 * part:4 * part + 4])
+        assert torch.equal(row.labels, full["tokens"][4 * part + 1:4 * part + 5])
+        assert row.teacher.ids.dtype == torch.int32
+        assert torch.equal(row.teacher.ids.long(), full["teacher_ids"][4 * part:4 * part + 4])
+        assert torch.equal(row.teacher.logprobs.float(), full["teacher_logprobs"][4 * part:4 * part + 4])
     with pytest.raises(ValueError, match="does not divide"):
-        reader.window(0, 5)
+        row_kind(reader, seq_length=5)
     with pytest.raises(IndexError):
         reader[N]
 
@@ -234,7 +239,7 @@ def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsy
     with pytest.raises(ValueError, match=message):
         reader[sample]
     with pytest.raises(ValueError, match=message):
-        reader.window(sample * 2 + 1, S // 2)
+        row_kind(reader, seq_length=S // 2).row(sample, 1)
     assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2 and re.search(message, capsys.readouterr().out)
     group = zarr.open_group(tmp_path / "c", mode="r")
     if damage is _delete:                                         # -1 ids, NaN log-probs: never plausible data
@@ -518,7 +523,8 @@ def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t)
         expected = draw_weights(l.gather(-1, row["teacher_ids"]), torch.logsumexp(l / t, dim=-1), t)
         torch.testing.assert_close(row[fmt.DRAW_WEIGHTS], expected.float(), atol=0, rtol=1e-5)
         assert row[fmt.DRAW_WEIGHTS].shape == (S, n) and row[fmt.DRAW_WEIGHTS].dtype == torch.float32
-    assert "teacher_draw_weights" in reader.window(3, S // 2)
+    half = row_kind(reader, seq_length=S // 2).row(3, 1).teacher                    # a student's rows: the same
+    assert torch.equal(half.weights, reader[3][fmt.DRAW_WEIGHTS][S // 2:])            # weights, of its window
     with pytest.raises(ValueError, match="mode='topk' requested"):
         reader.validate(mode="topk")
 

@@ -168,20 +168,20 @@ def test_cli_refuses_top_p_with_sample(tmp_path, capsys):
 
 
 def test_top_p_rows_through_reader_dataset_loss_and_inspect(tmp_path, capsys):
-    from megatron_kd_plugin.bridge.dataset import TopKCacheDataset
+    from megatron_kd_plugin.cache import KDRows, row_kind
     from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c", top_p=P, min_k=MIN_K)
     reader = TopKCacheReader(tmp_path / "c")
-    dataset = TopKCacheDataset(reader, np.arange(N), seq_length=S // 2, num_rows=4, seed=0)
+    dataset = KDRows(row_kind(reader, seq_length=S // 2), np.arange(N), num_rows=4, seed=0)
     rows = [dataset[j] for j in range(4)]
     gen = torch.Generator().manual_seed(0)
     case = dict(hidden=torch.randn(S // 2, 4, 5, generator=gen, dtype=torch.float64),
                 weight=torch.randn(V, 5, generator=gen, dtype=torch.float64),
-                teacher_ids=torch.stack([r["teacher_ids"] for r in rows], 1),            # [s, b, K]
-                teacher_logprobs=torch.stack([r["teacher_logprobs"] for r in rows], 1).double(),
-                loss_mask=torch.stack([r["loss_mask"] for r in rows], 1).double(),
-                labels=torch.stack([r["labels"] for r in rows], 1))
+                teacher_ids=torch.stack([r.teacher.ids for r in rows], 1),               # [s, b, K]
+                teacher_logprobs=torch.stack([r.teacher.logprobs for r in rows], 1).double(),
+                loss_mask=torch.stack([r.loss_mask for r in rows], 1).double(),
+                labels=torch.stack([r.labels for r in rows], 1))
     assert (case["teacher_logprobs"] == -torch.inf).any()
     for tail, divergence in (("ghost", "forward_kl"), ("renorm", "jsd")):
         ref, ref_dh, ref_dw, _ = reference(case, tail=tail, divergence=divergence, temperature=1.3)

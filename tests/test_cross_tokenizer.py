@@ -13,7 +13,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.align import cross_tokenizer_row, student_ends, valid_text
+from megatron_kd_plugin.cache.align import (TeacherTopK, align_sample, alignment_row, identical_strings,
+                                            student_ends, valid_text)
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
 from megatron_kd_plugin.cache.writer import write_cache
@@ -69,6 +70,14 @@ def unigram_eos_student():
 
 
 # ---- float64 references -------------------------------------------------------------------------------------------
+
+def cross_tokenizer_row(tokens, realised_logprobs, teacher, student, seq_length, *, topk=None):
+    """The student row of one cached sample: teacher ``tokens`` [S + 1], ``realised_logprobs`` [S]; ``topk``: the
+    cached (ids, logprobs) [S, K] for the pairs (both steps of ``cache.align``)."""
+    pairs = None if topk is None else TeacherTopK(np.asarray(tokens, dtype=np.int64), np.asarray(topk[0]),
+                                                  np.asarray(topk[1]), identical_strings(teacher, student))
+    return alignment_row(align_sample(tokens, teacher, student), realised_logprobs, seq_length, pairs)
+
 
 def reference_segments(teacher_lengths: list[int], student_lengths: list[int]) -> list[tuple[list[int], list[int]]]:
     """Two pointers over the byte lengths: a segment closes whenever both sides have consumed the same bytes."""

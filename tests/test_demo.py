@@ -47,8 +47,8 @@ def test_split_is_by_whole_file_and_reproducible():
 
 
 def test_corpus_files_are_deterministic_and_readable(tmp_path):
-    first = data.build_corpus(tmp_path / "a", MINI.corpus)
-    second = data.build_corpus(tmp_path / "b", MINI.corpus)
+    first = data.tokenize_corpus(MINI.corpus).save(tmp_path / "a")
+    second = data.tokenize_corpus(MINI.corpus).save(tmp_path / "b")
     for name in ("tokenizer.json", "train.bin", "train.idx", "heldout.bin", "heldout.idx"):
         assert (first.folder / name).read_bytes() == (second.folder / name).read_bytes(), name
     loaded = data.DemoCorpus.load(first.folder)
@@ -120,7 +120,7 @@ def test_user_corpus_folder_or_jsonl(tmp_path):
         assert all(d.size == len(d.read().encode()) for d in docs)
         splits = data.split_documents(docs, cfg)
         _assert_split_by_name_hash(splits, cfg)
-        corpus = data.build_corpus(tmp_path / f"built_{source.name}", cfg)
+        corpus = data.tokenize_corpus(cfg).save(tmp_path / f"built_{source.name}")
         assert corpus.stats["source"] == str(source)
         assert [corpus.stats[name]["documents"] for name in data.SPLITS] == [len(splits[n]) for n in data.SPLITS]
         assert sum(len(splits[n]) for n in data.SPLITS) == len(texts)    # all of it fits the mini byte budgets

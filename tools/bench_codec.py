@@ -68,7 +68,7 @@ def save_rows(path: pathlib.Path, tokens: torch.Tensor, logits_of, description: 
 def prepare_scratch_teacher(name: str, output: pathlib.Path, samples: int, **overrides) -> None:
     """Trains the quality benchmark's teacher (the ``small`` preset, ``overrides`` applied) and saves its rows."""
     from megatron_kd_plugin.demo import scratch
-    from megatron_kd_plugin.demo.data import build_corpus, token_windows
+    from megatron_kd_plugin.demo.data import token_windows, tokenize_corpus
     from megatron_kd_plugin.demo.teacher_training import single_process_megatron
     from megatron_kd_plugin.models.gpt import gpt_logits, load_gpt
 
@@ -77,7 +77,7 @@ def prepare_scratch_teacher(name: str, output: pathlib.Path, samples: int, **ove
         cfg = dataclasses.replace(cfg, corpus=dataclasses.replace(cfg.corpus, vocab_size=overrides.pop("vocab_size")))
     cfg = dataclasses.replace(cfg, **overrides)
     work = output / name
-    corpus = build_corpus(work / "data", cfg.corpus)
+    corpus = tokenize_corpus(cfg.corpus).save(work / "data")
     with single_process_megatron(cfg.seed):
         scratch.train_teacher(cfg, corpus, work / "teacher")
         model, spec = load_gpt(work / "teacher", tp_size=1)

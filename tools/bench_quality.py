@@ -55,10 +55,11 @@ VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in T
             + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P))
 
 
-def _truncate_topk(batch: dict, k: int) -> dict:
-    """The batch with its teacher top-K cut to the k most probable entries (rank order is not assumed)."""
-    logprobs, order = batch["teacher_logprobs"].topk(k, dim=-1)                   # [b, S, k]
-    return dict(batch, teacher_logprobs=logprobs, teacher_ids=batch["teacher_ids"].gather(-1, order))
+def _truncate_topk(batch, k: int):
+    """The batch (a ``KDRow``) with its teacher top-K cut to the k most probable entries (rank order is not
+    assumed)."""
+    logprobs, order = batch.teacher.logprobs.topk(k, dim=-1)                       # [b, S, k]
+    return batch._replace(teacher=batch.teacher._replace(ids=batch.teacher.ids.gather(-1, order), logprobs=logprobs))
 
 
 def topk_forward_step(k: int):
@@ -98,13 +99,13 @@ def dense_forward_step(teacher, alpha: float):
 
     def step(state, data_iterator, model):
         batch = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
-        position_ids, causal = causal_inputs(batch["tokens"])
+        position_ids, causal = causal_inputs(batch.tokens)
         with torch.no_grad():
-            teacher_lp = torch.log_softmax(teacher(batch["tokens"], position_ids, causal).float(), -1)  # [b, s, V]
-        context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), labels=batch["labels"].t(),
-                       loss_mask=batch["loss_mask"].t())
-        output = model(input_ids=batch["tokens"], position_ids=position_ids, attention_mask=causal,
-                       labels=batch["labels"], output_processor=processor, output_processor_context=context)
+            teacher_lp = torch.log_softmax(teacher(batch.tokens, position_ids, causal).float(), -1)  # [b, s, V]
+        context = dict(teacher_logprobs=teacher_lp.transpose(0, 1), labels=batch.labels.t(),
+                       loss_mask=batch.loss_mask.t())
+        output = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=causal,
+                       labels=batch.labels, output_processor=processor, output_processor_context=context)
         return output, loss_func
 
     return step
@@ -262,7 +263,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     """Stages 1-3 of the demo into ``work`` (or links a finished demo folder's data, teacher and cache); the
     tokenizer's vocabulary size and the teacher's steps may override the preset's."""
     from megatron_kd_plugin.demo import scratch as pipeline
-    from megatron_kd_plugin.demo.data import build_corpus
+    from megatron_kd_plugin.demo.data import tokenize_corpus
     from megatron_kd_plugin.demo.teacher_training import single_process_megatron
 
     if (work / "cache.zarr").exists() and not overwrite:
@@ -286,7 +287,7 @@ def prepare_work(work: pathlib.Path, preset: str, reuse: pathlib.Path | None, ov
     if teacher_steps is not None:
         cfg = dataclasses.replace(cfg, teacher_steps=teacher_steps)
     (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
-    corpus = build_corpus(work / "data", cfg.corpus)
+    corpus = tokenize_corpus(cfg.corpus).save(work / "data")
     with single_process_megatron(cfg.seed):
         pipeline.train_teacher(cfg, corpus, work / "teacher")
     pipeline.cache_teacher(cfg, corpus, work / "teacher", work / "cache.zarr")

@@ -2,9 +2,9 @@
 
 Bridge instantiates a ``_target_`` only under allow-listed module prefixes (``megatron.``, ``torch.``, ...). A
 config naming ``megatron_kd_plugin.bridge.provider.TopKCacheDatasetProvider`` (or the ``KDConfigContainer`` /
-``KDConfig`` that ``cfg.to_yaml()`` writes for a KD recipe) fails with Bridge's ``InstantiationException``
+``KDLossOptions`` that ``cfg.to_yaml()`` writes for a KD recipe) fails with Bridge's ``InstantiationException``
 ("not in the allowlist") until ``register()`` adds this package's prefix. The recipes are plain functions in the
-top-level ``recipes`` package (``recipes.RECIPES``) and need no registration.
+``megatron_kd_plugin.recipes`` package (``RECIPES``) and need no registration.
 """
 
 from __future__ import annotations

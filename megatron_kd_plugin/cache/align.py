@@ -33,7 +33,7 @@ and each position's pair (the loss expands them to [S_s, K] on the model's devic
     pair_logprobs [S, K] float32: the cached log-probs, -inf where unmapped (K = 0 for a store without a top-K).
 
 Two steps: ``align_sample`` (the encode and the segment indices k(b_j), k(e_i): no seq_length, no log-probs; what
-``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row); ``cross_tokenizer_row`` is both.
+``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row).
 """
 
 from __future__ import annotations
@@ -208,14 +208,3 @@ def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
     np.copyto(logprobs, -np.inf, where=mapped < 0)
     np.maximum(mapped, 0, out=mapped)
     return torch.from_numpy(positions), torch.from_numpy(mapped), torch.from_numpy(logprobs)
-
-
-def cross_tokenizer_row(tokens: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes, student: TokenBytes,
-                        seq_length: int, *, topk: tuple[np.ndarray, np.ndarray] | None = None,
-                        where: str = "sample") -> KDRow:
-    """The student row of one cached sample (module docstring): teacher ``tokens`` [S + 1] ids,
-    ``realised_logprobs`` [S]; ``topk``: the cached (ids, logprobs) [S, K] for the pair arrays; ``where`` names the
-    sample in errors."""
-    pairs = None if topk is None else TeacherTopK(np.asarray(tokens, dtype=np.int64), np.asarray(topk[0]),
-                                                  np.asarray(topk[1]), identical_strings(teacher, student))
-    return alignment_row(align_sample(tokens, teacher, student, where=where), realised_logprobs, seq_length, pairs)

@@ -5,11 +5,10 @@ row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsum
 a sampled store (K = N draws) also carry ``teacher_draw_weights`` float32 ``[S, K]``, the importance weights
 w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``draws.draw_weights``.
 A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
-``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``).
-``reader.window(j, seq_length)`` is window j of a student with a shorter ``seq_length`` that divides the
-cached one (``S / seq_length`` windows per sample, sample-major). Opening refuses an unfinished store and one
-whose metadata do not match its attributes (``format.open_store``); ``validate`` checks the store against what
-the student expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
+``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). A student's training
+rows are read by the store's kind of rows (``rows.py``). Opening refuses an unfinished store and one whose metadata
+do not match its attributes (``format.open_store``); ``validate`` checks the store against what the student
+expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
 and of the chunk (``chunk_reader.py``), the chunk's record binding it to its array, sample and store, and that
 its ids lie in the vocabulary (``records.py``): damage, or a store replaced since the reader opened it, raises
 ``chunk_reader.DamagedStoreError`` (a ValueError) naming the file and the samples, never returns wrong rows.
@@ -94,32 +93,17 @@ class TopKCacheReader:
             raise ValueError(f"{self.path}: the teacher's byte table offsets are damaged")
         return TokenBytes.from_arrays(table, offsets, identity=self.spec.tokenizer)
 
-    def _read(self, sample: int, begin: int, end: int) -> dict[str, torch.Tensor]:
-        """Rows [begin, end) of ``sample`` (tokens: begin..end inclusive) as torch tensors."""
-        arrays = self.sample_arrays(sample)
-        out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS][begin:end + 1].astype(np.int64)),
-               fmt.IDS: torch.from_numpy(arrays[fmt.IDS][begin:end].astype(np.int64)),
-               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS][begin:end].astype(np.float32, copy=False))}
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``'s arrays as torch tensors (module docstring)."""
+        arrays = self.sample_arrays(self._check_index(index, len(self)))
+        out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS].astype(np.int64)),
+               fmt.IDS: torch.from_numpy(arrays[fmt.IDS].astype(np.int64)),
+               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS].astype(np.float32, copy=False))}
         for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB):
             if name in arrays:
-                out[name] = torch.from_numpy(arrays[name][begin:end].astype(np.float32))
+                out[name] = torch.from_numpy(arrays[name].astype(np.float32))
         if self.spec.mode == "sampled":
             lognorm = arrays.get(fmt.PROPOSAL_LOGNORM)
-            out[fmt.DRAW_WEIGHTS] = draw_weights(
-                out[fmt.LOGPROBS], None if lognorm is None else torch.from_numpy(lognorm[begin:end].copy()),
-                self.spec.proposal_temperature)
+            out[fmt.DRAW_WEIGHTS] = draw_weights(out[fmt.LOGPROBS], None if lognorm is None else
+                                                 torch.from_numpy(lognorm.copy()), self.spec.proposal_temperature)
         return out
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample = self._check_index(index, len(self))
-        return self._read(sample, 0, self.spec.seq_length)
-
-    def num_windows(self, seq_length: int) -> int:
-        self.validate(seq_length=seq_length)
-        return len(self) * (self.spec.seq_length // seq_length)
-
-    def window(self, index: int, seq_length: int) -> dict[str, torch.Tensor]:
-        """Window ``index`` of ``seq_length`` tokens (+1) and its rows; sample-major order."""
-        per_sample = self.spec.seq_length // seq_length
-        sample, offset = divmod(self._check_index(index, self.num_windows(seq_length)), per_sample)
-        return self._read(sample, offset * seq_length, (offset + 1) * seq_length)

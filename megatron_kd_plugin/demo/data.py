@@ -340,12 +340,6 @@ def tokenize_corpus(cfg: CorpusConfig, needs: Mapping[str, tuple[int, str]] | No
     return TokenizedCorpus(tokenizer=tokenizer, documents=documents, stats=stats)
 
 
-def build_corpus(folder: str | pathlib.Path, cfg: CorpusConfig = CorpusConfig(),
-                 needs: Mapping[str, tuple[int, str]] | None = None) -> DemoCorpus:
-    """``tokenize_corpus`` then ``save``: tokenizer.json, train/heldout .bin/.idx and corpus.json in ``folder``."""
-    return tokenize_corpus(cfg, needs).save(folder)
-
-
 def token_windows(prefix: str | pathlib.Path, seq_length: int, max_samples: int | None = None) -> torch.Tensor:
     """Samples of ``seq_length + 1`` tokens from the concatenated documents of an indexed dataset.
 

@@ -43,7 +43,7 @@ import torch
 from .chunk_loop import IGNORE_INDEX, LossPlan, prepare_batch, use_triton_kernels
 from .divergence import bucket_divergence
 from .fused_head import fused_token_values
-from .options import KDLossOptions, KDLossResult, resolve_options
+from .options import KDLossOptions, KDLossResult
 from .teacher import TopKTeacher
 from .tp import hidden_to_tp_region, resolve_shard
 from .validate import check_shapes, check_values
@@ -112,7 +112,7 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     ``segments`` (used segments per token), ``segment gap`` (mean |t_c - s_c| in nats per segment), and with the
     token-level term ``token kd loss`` (per pair) and ``pairs`` (per token).
     """
-    options = resolve_options(options, option_overrides)
+    options = (options or KDLossOptions()).with_overrides(**option_overrides)
     token_weight = options.token_weight
     with_tokens = token_weight > 0.0
     if with_tokens and teacher.pair_ids.shape[-1] == 0:

@@ -21,8 +21,8 @@ class KDLossOptions:
     """How a KD loss is computed. The math is in ``megatron_kd_plugin.loss.token_math``.
 
     The same dataclass is a KD run's ``cfg.kd`` section, which Bridge's overrides (``kd.temperature=2``) set
-    attribute by attribute: it is validated when built and again by ``validate()`` before step one; the losses take
-    a copy (``frozen_copy``), so a later change of ``cfg.kd`` never reaches a running call.
+    attribute by attribute: it is checked when built and again by ``check()`` before step one; each loss call takes
+    a copy (``with_overrides``).
     """
 
     tail: str = "ghost"
@@ -113,7 +113,8 @@ class KDLossOptions:
             raise ValueError(f"mass_tolerance={self.mass_tolerance!r}: expected >= 0")
 
     def with_overrides(self, **overrides) -> KDLossOptions:
-        """A checked copy with ``overrides`` (field names of this class) applied: what a loss call uses."""
+        """A checked copy with ``overrides`` (field names of this class) applied: what a loss call uses, so that a
+        later change of these options never reaches it."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise TypeError(f"unknown KD loss option(s) {unknown}; the options are KDLossOptions' fields")
@@ -124,12 +125,6 @@ class KDLossOptions:
         if self.chunk_bytes is not None:
             return self.chunk_bytes
         return DEFAULT_CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
-
-
-def resolve_options(options: KDLossOptions | None, overrides: dict) -> KDLossOptions:
-    """The options of one loss call: ``options`` (default ``KDLossOptions()``) with keyword ``overrides``, as a
-    checked copy."""
-    return (KDLossOptions() if options is None else options).with_overrides(**overrides)
 
 
 class KDLossResult(NamedTuple):

@@ -7,7 +7,7 @@ import torch
 
 from .chunk_loop import LossPlan, prepare_batch, use_triton_kernels
 from .fused_head import fused_topk_kl
-from .options import KDLossOptions, KDLossResult, resolve_options
+from .options import KDLossOptions, KDLossResult
 from .references import dense_topk_kl, forward_chunked_topk_kl
 from .renorm_rows import renorm_rows_topk_kl
 from .teacher import SampledTeacher, TopKTeacher, teacher_mass, tensor_map
@@ -43,7 +43,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeache
     the renorm K-rows path, which never forms the full-vocab normaliser) and ``teacher top-K mass`` (the untempered
     m; sampled: of the distinct drawn ids).
     """
-    options = resolve_options(options, option_overrides)
+    options = (options or KDLossOptions()).with_overrides(**option_overrides)
     shard = resolve_shard(tp_group, weight.shape[0])
     check_shapes(hidden, weight, teacher, loss_mask, labels, options, shard, sequence_parallel)
     if loss_mask is None:
