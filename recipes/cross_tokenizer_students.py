@@ -1,9 +1,9 @@
 """Cross-tokenizer distillation (issue #18): a student with its own tokenizer learns from a teacher's cache
 (``megatron_kd_plugin.loss.cross_tokenizer``): the token-level term (the teacher's top-K in the student's ids of
 identical strings, at the tokens where both tokenizers cut the text alike) and, with ``kd.token_weight`` < 1, the
-approximate-likelihood-matching chunk term. Measured (docs/loss.md), students trained from random weights: the
+approximate-likelihood-matching segment term. Measured (docs/loss.md), students trained from random weights: the
 token-level term alone (``kd.token_weight=1``) wins 0.42 of the same-tokenizer KD gain against a related tokenizer
-(byte-level BPE against byte-level BPE) and 0.24 against an unrelated one (BPE against Unigram); the chunk term cost
+(byte-level BPE against byte-level BPE) and 0.24 against an unrelated one (BPE against Unigram); the segment term cost
 quality in both, so these recipes leave it out.
 
 The cache must be written with ``--cross-tokenizer`` (each token's realised log-prob and the teacher tokenizer's
