@@ -750,7 +750,7 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
     assert "--cross-tokenizer" in tp1["refusals"]["plain store"]
     assert "no tokenizer.json" in tp1["refusals"]["no tokenizer"]
     assert "segments would be split across CP ranks" in tp1["refusals"]["context parallel"]
-    assert "kd.token_weight=0.5 is for cross-tokenizer students" in tp1["refusals"]["token weight, one tokenizer"]
+    assert "kd.token_weight=0.5 is for a student with its own tokenizer" in tp1["refusals"]["token weight, one tokenizer"]
     tp2 = run_on_ranks(2, _bridge_tp2_body, tmp_path, timeout=600)
     assert len(tp1["history"]) == BRIDGE_STEPS
     for rank_history in tp2:

@@ -132,13 +132,13 @@ def _without_weights(case):
     ("sampled", _without_weights, r"a TopKTeacher with tail='sampled': tail='sampled' takes exactly a SampledTeacher"),
     ("ghost", lambda case: case, r"a SampledTeacher with tail='ghost'"),
     ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"][..., :2]),
-     r"the draws' weights must be a float tensor shaped like their ids \(2, 3, 4\)"),
+     r"the slots' weights must be a float tensor shaped like their ids \(2, 3, 4\)"),
     ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"].long()),
-     r"the draws' weights must be a float tensor .* torch.int64"),
+     r"the slots' weights must be a float tensor .* torch.int64"),
     ("sampled", lambda case: dict(case, draw_weights=_set((0, 1, 2), -0.5)(case["draw_weights"].clone())),
-     r"the draws' weights must be finite and >= 0 .* 0 NaN/inf entries and min -0.5"),
+     r"the slots' weights must be finite and >= 0 .* 0 NaN/inf entries and min -0.5"),
     ("sampled", lambda case: dict(case, draw_weights=_set((1, 1, 1), torch.nan)(case["draw_weights"].clone())),
-     r"the draws' weights must be finite and >= 0 .* 1 NaN/inf entries"),
+     r"the slots' weights must be finite and >= 0 .* 1 NaN/inf entries"),
 ])
 def test_bad_draw_weights(tail, corrupt, message):
     with pytest.raises(ValueError, match=message):

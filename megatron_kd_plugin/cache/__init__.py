@@ -15,10 +15,10 @@ tokenizer's byte table, the alignment of the two tokenizations, each sample's al
 The names below are the interface the layers above (``bridge``, the commands) read stores through.
 """
 
-from megatron_kd_plugin.cache.format import DRAW_WEIGHTS, CacheSpec
+from megatron_kd_plugin.cache.format import CacheSpec
 from megatron_kd_plugin.cache.reader import TopKCacheReader
 from megatron_kd_plugin.cache.row_kinds import row_kind
 from megatron_kd_plugin.cache.rows import KDRow, KDRows, RowKind
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
-__all__ = ["DRAW_WEIGHTS", "CacheSpec", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader", "row_kind"]
+__all__ = ["CacheSpec", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader", "row_kind"]

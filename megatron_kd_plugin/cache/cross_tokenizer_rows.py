@@ -42,9 +42,9 @@ class CrossTokenizerRows(RowKind):
         if context_parallel_size > 1:
             raise ValueError(f"model.context_parallel_size={context_parallel_size} with a cross-tokenizer student "
                              "(dataset.student_tokenizer): segments would be split across CP ranks; use 1")
-        if options.token_weight > 0 and self.reader.spec.mode == "sampled":
+        if options.token_weight > 0 and self.reader.spec.mode != "topk":
             raise ValueError(f"kd.token_weight={options.token_weight} needs the teacher's top-K, and "
-                             f"{self.reader.path} is a sampled store; write it without --draws")
+                             f"{self.reader.path} holds draws; write it without --draws")
 
     def rows_per_sample(self) -> int:
         return 1

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_kd_plugin.loss import CrossTokenizerTeacher, KDLossOptions, SampledTeacher, TopKTeacher
+from megatron_kd_plugin.loss import KDLossOptions
 
 
 class KDRow(NamedTuple):
@@ -30,7 +30,7 @@ class KDRow(NamedTuple):
     labels: torch.Tensor | None         # [S] int64 the token each position predicts
     loss_mask: torch.Tensor | None      # [S] float32 token weights, 0 = not counted
     position_ids: torch.Tensor | None   # [S] int64
-    teacher: TopKTeacher | SampledTeacher | CrossTokenizerTeacher | None   # the kind's teacher ([S, K], ...)
+    teacher: tuple | None               # the kind's typed teacher (a NamedTuple of [S, ...] tensors)
 
 
 def window_row(tokens: np.ndarray, teacher) -> KDRow:

@@ -112,9 +112,9 @@ class StudentAlignments:
         return identical_strings(self.teacher, self.student)
 
     def row(self, sample: int, seq_length: int) -> KDRow:
-        """The student row of ``sample`` (``align.alignment_row``), with the pair arrays unless the store is a sampled
-        one (its slots are draws, not a top-K): reads the sample's realised log-probs and top-K (and its tokens)."""
-        pairs = self.reader.spec.mode != "sampled"
+        """The student row of ``sample`` (``align.alignment_row``), with the pairs when the store holds a top-K (not
+        draws): reads the sample's realised log-probs and top-K (and its tokens)."""
+        pairs = self.reader.spec.mode == "topk"
         names = (fmt.REALISED_LOGPROB,) + ((fmt.IDS, fmt.LOGPROBS) if pairs else ()) + \
             ((fmt.TOKENS,) if pairs or not self.known(sample) else ())
         arrays = self.reader.sample_arrays(sample, names)

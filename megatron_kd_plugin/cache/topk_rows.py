@@ -39,7 +39,7 @@ class TopKRows(RowKind):
     def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
         self.check_tail(options)
         if options.token_weight > 0:
-            raise ValueError(f"kd.token_weight={options.token_weight} is for cross-tokenizer students: set "
+            raise ValueError(f"kd.token_weight={options.token_weight} is for a student with its own tokenizer: set "
                              "dataset.student_tokenizer to the student's tokenizer, or kd.token_weight=0")
 
     def check_tail(self, options: KDLossOptions) -> None:

@@ -9,15 +9,17 @@ memory-bounded; no [T, V] logits.
 The family (one chunk loop, two losses): ``token_math`` (the per-token math, written once), ``divergence``,
 ``teacher`` (the typed teachers and the teacher's buckets), ``tp`` (the vocab shard and its collectives),
 ``chunk_backends`` / ``chunk_loop`` (the per-chunk vocab work and the loop between the collectives), ``fused_head``
-(the autograd Functions over X and W), and the members: ``topk_loss`` (top-K, top-p and sampled rows; the
-``renorm_rows`` fast path; ``references``: the Dense and Forward-chunked baselines) and ``cross_tokenizer_loss``.
-``step.kd_loss`` picks a member by the teacher's type.
+(the autograd Functions over X and W), and the members: ``topk_loss`` (any teacher given as K slots per token:
+``topk_teacher``, ``sampled_teacher``; the ``renorm_rows`` fast path; ``references``: the Dense and Forward-chunked
+baselines) and ``cross_tokenizer_loss``. ``step.kd_loss`` picks a member by the teacher's type.
 """
 
 from .cross_tokenizer_loss import CrossTokenizerTeacher, cross_tokenizer_loss
 from .options import KDLossOptions, KDLossResult
 from .step import KDLossInputs, kd_loss
-from .teacher import SampledTeacher, TopKTeacher, tensor_map
+from .sampled_teacher import SampledTeacher
+from .teacher import tensor_map
+from .topk_teacher import TopKTeacher
 from .topk_loss import topk_kd_loss
 
 __all__ = ["CrossTokenizerTeacher", "KDLossInputs", "KDLossOptions", "KDLossResult", "SampledTeacher", "TopKTeacher",

@@ -19,7 +19,7 @@ import torch
 
 from .chunk_backends import ChunkCoefs, chunk_backend
 from .options import KDLossOptions
-from .teacher import SampledTeacher, TeacherBuckets, TopKTeacher, teacher_buckets
+from .teacher import SlotTeacher, TeacherBuckets, tensor_map
 from .token_math import TokenPartials, token_terms
 from .tp import VocabShard, all_reduce_max_, all_reduce_sum_, shard_local
 
@@ -99,23 +99,21 @@ IGNORE_INDEX = -100
 """A label equal to this (Hugging Face's and PyTorch's ``ignore_index``) has no CE term; the token's KD term counts."""
 
 
-def prepare_batch(plan: LossPlan, teacher: TopKTeacher | SampledTeacher, loss_mask: torch.Tensor,
+def prepare_batch(plan: LossPlan, teacher: SlotTeacher, loss_mask: torch.Tensor,
                   labels: torch.Tensor | None) -> KDBatch:
     """[s, b, K] (or [T, K]) teacher and [s, b] inputs -> the flattened per-token batch (T*K work, no vocab). The
-    teacher's float64 math runs over blocks of tokens (``_teacher_block_tokens``), so its temporaries stay within the
-    chunk budget; its ids keep their dtype (a store's int32) up to the chunk backend."""
+    teacher's float64 math (``SlotTeacher.buckets``) runs over blocks of tokens (``_teacher_block_tokens``), so its
+    temporaries stay within the chunk budget; its ids keep their dtype (a store's int32) up to the chunk backend."""
     t, k = loss_mask.numel(), teacher.ids.shape[-1]
     options, shard = plan.options, plan.shard
-    ids, logprobs = teacher.ids.reshape(t, k), teacher.logprobs.reshape(t, k)
-    weights = teacher.weights.reshape(t, k) if isinstance(teacher, SampledTeacher) else None
-    step = _teacher_block_tokens(plan, k, ids.device)
+    flat = tensor_map(lambda x: x.reshape(t, k), teacher)                     # [T, K]
+    step = _teacher_block_tokens(plan, k, flat.ids.device)
     blocks = []
-    for start in range(0, max(ids.shape[0], 1), step):
-        rows = slice(start, start + step)
-        sorted_ids, buckets = teacher_buckets(ids[rows], logprobs[rows], tail=options.tail,
-                                              temperature=options.temperature, vocab_size=shard.vocab_size,
-                                              dtype=plan.dtype,
-                                              draw_weights=None if weights is None else weights[rows])
+    for start in range(0, max(t, 1), step):
+        block = tensor_map(lambda x: x[start:start + step], flat)
+        sorted_ids, buckets = block.buckets(tail=options.tail, temperature=options.temperature,
+                                            vocab_size=shard.vocab_size)
+        buckets = TeacherBuckets(*(x.to(plan.dtype) if x.is_floating_point() else x for x in buckets))
         local_ids, local_valid = shard_local(sorted_ids, buckets.valid, shard.vocab_start, shard.vocab_end)
         blocks.append((buckets, local_ids.to(torch.int32), local_valid))
     buckets = TeacherBuckets(*(torch.cat(parts) for parts in zip(*(block[0] for block in blocks), strict=True)))
@@ -124,9 +122,9 @@ def prepare_batch(plan: LossPlan, teacher: TopKTeacher | SampledTeacher, loss_ma
     weight = loss_mask.reshape(-1).to(plan.dtype)
     local_label = label_local = has_label = None
     if labels is not None:
-        flat = labels.reshape(-1).long()
-        has_label = flat != IGNORE_INDEX
-        local_label, label_local = shard_local(flat, has_label, shard.vocab_start, shard.vocab_end)
+        flat_labels = labels.reshape(-1).long()
+        has_label = flat_labels != IGNORE_INDEX
+        local_label, label_local = shard_local(flat_labels, has_label, shard.vocab_start, shard.vocab_end)
     return KDBatch(buckets, local_ids, local_valid, weight, local_label, label_local, has_label)
 
 

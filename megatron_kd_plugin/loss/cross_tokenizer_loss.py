@@ -44,7 +44,7 @@ from .chunk_loop import IGNORE_INDEX, LossPlan, prepare_batch, use_triton_kernel
 from .divergence import bucket_divergence
 from .fused_head import fused_token_values
 from .options import KDLossOptions, KDLossResult
-from .teacher import TopKTeacher
+from .topk_teacher import TopKTeacher
 from .tp import hidden_to_tp_region, resolve_shard
 from .validate import check_shapes, check_values
 
@@ -116,8 +116,8 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     token_weight = options.token_weight
     with_tokens = token_weight > 0.0
     if with_tokens and teacher.pair_ids.shape[-1] == 0:
-        raise ValueError(f"token_weight={token_weight} needs the pairs' top-K, and these rows carry none (a sampled "
-                         "store's); use token_weight=0")
+        raise ValueError(f"token_weight={token_weight} needs the pairs' top-K, and these rows carry none (a store "
+                         "without a top-K); use token_weight=0")
     pair_options = KDLossOptions(tail="ghost", divergence=options.divergence, jsd_beta=options.jsd_beta, alpha=1.0,
                                  chunk_bytes=options.chunk_bytes, kernels=options.kernels)
     shard = resolve_shard(tp_group, weight.shape[0])

@@ -9,7 +9,8 @@ import torch
 
 from .cross_tokenizer_loss import CrossTokenizerTeacher, cross_tokenizer_loss
 from .options import KDLossOptions, KDLossResult
-from .teacher import SampledTeacher, TopKTeacher
+from .sampled_teacher import SampledTeacher
+from .topk_teacher import TopKTeacher
 from .topk_loss import topk_kd_loss
 
 

@@ -1,40 +1,25 @@
-"""The teacher as the losses receive it (typed values), and its side of the top-K loss, computed once per call from
-the cached top-K (T*K work, no vocab).
+"""The teacher as the losses receive it, and the pieces every kind of teacher shares.
 
-The typed values travel from a store's rows to the loss in the store's dtypes (int32 ids, the decoded log-probs);
-the loss converts where its math needs another. Shapes: [..., K] per token, the leading dimensions the caller's
-([b, s] batch-first from a dataset, [s, b] in the loss, [T] flattened inside it).
+A teacher travels as a typed value (a NamedTuple of tensors) from a store's rows to the loss, in the store's dtypes
+(int32 ids, the decoded log-probs); the loss converts where its math needs another. Shapes: [..., K] per token, the
+leading dimensions the caller's ([b, s] batch-first from a dataset, [s, b] in the loss, [T] flattened inside it).
 
-The buckets are formed in float64 whatever the input dtype: the ghost tail's 1 - m is lost in float32 below
-~6e-8 (m rounds to 1), and tempering log(1 - m) amplifies the error; only the finished log-probs are rounded to
-the accumulation dtype (their logarithms are well-conditioned there).
-
-Shape: ``ids`` [T, K] global vocab ids, ``logprobs`` [T, K] log-probs over the teacher's full vocab
-(-inf marks a padding slot: probability 0, not part of the support), ``draw_weights`` [T, K] (tail ``sampled``
-only) the importance weight w of each drawn slot; a slot is drawn when its log-prob is finite and w > 0.
+The top-K loss takes a ``SlotTeacher``: K slots per token, ids and log-probs over the teacher's full vocab (-inf
+marks a padding slot: probability 0, not part of the support) and, for draws, importance weights. Each kind says
+what its slots mean (``topk_teacher.TopKTeacher``, ``sampled_teacher.SampledTeacher``): its buckets (``token_math``
+for the formulas), its mass, the tails it serves and its dense definition (the reference's). The buckets are formed
+in float64 whatever the input dtype: the ghost tail's 1 - m is lost in float32 below ~6e-8 (m rounds to 1), and
+tempering log(1 - m) amplifies the error; only the finished log-probs are rounded to the accumulation dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-
-class TopKTeacher(NamedTuple):
-    """A teacher's top-K (or top-p) per token: the distribution the token was predicted from."""
-
-    ids: torch.Tensor        # [..., K] int global vocab ids (a store's rows: int32, ascending per token)
-    logprobs: torch.Tensor   # [..., K] float log-probs over the teacher's full vocab; -inf: a padding slot
-
-
-class SampledTeacher(NamedTuple):
-    """N ids drawn per token from the teacher (a sampled store's rows), with their importance weights."""
-
-    ids: torch.Tensor        # [..., N] int drawn ids, repeats kept
-    logprobs: torch.Tensor   # [..., N] float the teacher's log-prob of each drawn id
-    weights: torch.Tensor    # [..., N] float importance weights w = p / (N q') (``token_math``)
+from .options import KDLossOptions
 
 
 Tensors = TypeVar("Tensors", bound=tuple)
@@ -64,7 +49,33 @@ class TeacherBuckets(NamedTuple):
         return TeacherBuckets(*(t[rows] for t in self))
 
 
-def _sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class SlotTeacher(Protocol):
+    """What the top-K loss needs of a teacher given as K slots per token (``ids``, ``logprobs`` [..., K])."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        """[..., K] the slots' importance weights (None: every slot is a top-K entry)."""
+
+    def check_tail(self, tail: str) -> None:
+        """ValueError for a tail these slots cannot serve."""
+
+    def buckets(self, *, tail: str, temperature: float, vocab_size: int) -> tuple[torch.Tensor, TeacherBuckets]:
+        """[T, K] slots -> (ids [T, K] sorted per token in their dtype, a repeated id merged into its first slot;
+        the float64 buckets). ``vocab_size``: V (padded, all ranks)."""
+
+    def mass(self) -> torch.Tensor:
+        """[...] the untempered mass of the slots (float64)."""
+
+    def dense_kd(self, logits: torch.Tensor, log_q: torch.Tensor,
+                 options: KDLossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The definition on the full vocab (the dense reference): raw logits [T, V], the student's log q at tau
+        [T, V] -> (KD f [T], differentiable through log_q; student mass on the support [T])."""
+
+
+def sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort each token's ids [..., K]: (ids sorted, in their dtype; the sorting order; first bool: the first slot of a
     run)."""
     ids, order = ids.sort(dim=-1, stable=True)
@@ -76,7 +87,7 @@ def _sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def merge_duplicate_ids(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort each token's ids and merge repeats: the first slot of an id gets log(sum of its probabilities), the
     repeats get -inf. Returns (ids [T, K] sorted, in their dtype; logprobs [T, K])."""
-    ids, order, first = _sorted_runs(ids)
+    ids, order, first = sorted_runs(ids)
     logprobs = logprobs.gather(-1, order)
     segment = first.long().cumsum(-1) - 1                                      # [T, K] run index of each slot
     neg_inf = torch.full_like(logprobs, -torch.inf)
@@ -88,73 +99,3 @@ def merge_duplicate_ids(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torc
     return ids, torch.where(first, merged.gather(-1, segment), neg_inf)
 
 
-def _drawn(logprobs: torch.Tensor, draw_weights: torch.Tensor) -> torch.Tensor:
-    """[T, K] bool: the slot holds a drawn id (finite log-prob, positive weight)."""
-    return (logprobs > -torch.inf) & (draw_weights > 0)
-
-
-def teacher_mass(ids: torch.Tensor, logprobs: torch.Tensor, draw_weights: torch.Tensor | None) -> torch.Tensor:
-    """[..., K] slots -> [...] untempered mass of the teacher's slots: sum_k exp(l_k) (repeated top-K slots split an id's mass), or with
-    ``draw_weights`` the mass of the distinct drawn ids (a repeated draw is counted once)."""
-    probs = logprobs.exp()                                                     # exp(-inf) = 0 at padding
-    if draw_weights is None:
-        return probs.sum(-1)
-    drawn = _drawn(logprobs, draw_weights)
-    _, order, first = _sorted_runs(torch.where(drawn, ids, -1))        # undrawn slots share the run of -1
-    return torch.where(first & drawn.gather(-1, order), probs.gather(-1, order), 0.0).sum(-1)
-
-
-def _sampled_buckets(ids: torch.Tensor, logprobs: torch.Tensor,
-                     draw_weights: torch.Tensor) -> tuple[torch.Tensor, TeacherBuckets]:
-    """``sampled``: bucket P_b = the summed weight of a distinct drawn id; the value offset makes
-    f = KL(P || Q) + offset = sum_k w_k (l_k - log Q_{I_k})."""
-    drawn = _drawn(logprobs, draw_weights)
-    weights = draw_weights.to(logprobs.dtype)
-    cross = torch.where(drawn, weights * logprobs, 0.0).sum(-1)               # [T] sum_k w_k l_k
-    mass = teacher_mass(ids, logprobs, draw_weights)
-    ids, log_p = merge_duplicate_ids(ids, torch.where(drawn, weights.log(), -torch.inf))   # log of summed weights
-    valid = log_p > -torch.inf
-    offset = cross - torch.where(valid, log_p.exp() * log_p, 0.0).sum(-1)
-    no_tail = torch.full_like(mass, -torch.inf)
-    return ids, TeacherBuckets(valid, log_p, no_tail, torch.zeros_like(valid[:, 0]), mass, offset)
-
-
-def teacher_buckets(ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str, temperature: float, vocab_size: int,
-                    dtype: torch.dtype, draw_weights: torch.Tensor | None = None) -> tuple[torch.Tensor,
-                                                                                              TeacherBuckets]:
-    """Merge repeated ids, then temper within the tail mode's buckets (``sampled``: weights summed per id, no
-    tempering), in float64; the buckets are returned in ``dtype``. ``vocab_size``: V (padded, all ranks).
-    Returns (ids [T, K] sorted per token in their dtype, a repeated id merged into its first slot; the buckets)."""
-    logprobs = logprobs.to(torch.float64)
-    if tail == "sampled":
-        ids, buckets = _sampled_buckets(ids, logprobs, draw_weights.to(torch.float64))
-    else:
-        ids, buckets = _topk_buckets(ids, logprobs, tail, temperature, vocab_size)
-    return ids, TeacherBuckets(*(t.to(dtype) if t.is_floating_point() else t for t in buckets))
-
-
-def _topk_buckets(ids: torch.Tensor, logprobs: torch.Tensor, tail: str, temperature: float,
-                  vocab_size: int) -> tuple[torch.Tensor, TeacherBuckets]:
-    """``ghost`` / ``none`` / ``renorm`` buckets of the K slots (``token_math``)."""
-    ids, logprobs = merge_duplicate_ids(ids, logprobs)
-    valid = logprobs > -torch.inf
-    neg_inf = torch.full_like(logprobs, -torch.inf)
-    mass = torch.where(valid, logprobs.exp(), torch.zeros_like(logprobs)).sum(-1)       # [T]
-    zero = torch.zeros_like(mass)
-    tempered = logprobs / temperature
-    any_valid = valid.any(-1, keepdim=True)
-    no_tail = torch.full_like(mass, -torch.inf)
-    tail_present = torch.zeros_like(mass, dtype=torch.bool)
-    if tail == "ghost":
-        tail_present = valid.sum(-1) < vocab_size
-        raw_tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)), no_tail)  # log(1 - m)
-        if temperature != 1.0:                           # finished per chunk, with the student's tail shape
-            return ids, TeacherBuckets(valid, torch.where(valid, tempered, neg_inf), raw_tail / temperature,
-                                       tail_present, mass, zero)
-        buckets = torch.cat([tempered, raw_tail[:, None]], dim=-1).log_softmax(-1)
-        return ids, TeacherBuckets(valid, buckets[:, :-1], buckets[:, -1], tail_present, mass, zero)
-    shape = torch.where(any_valid, tempered, torch.zeros_like(tempered)).log_softmax(-1)  # softmax_K(l / tau)
-    shape = torch.where(valid, shape, neg_inf)
-    if tail == "none":                                                          # keeps the teacher's mass m
-        shape = torch.where(valid, shape + mass.log()[:, None], neg_inf)
-    return ids, TeacherBuckets(valid, shape, no_tail, tail_present, mass, zero)

@@ -1,5 +1,6 @@
-"""The top-K loss (top-K, top-p and sampled teacher rows): ``topk_kd_loss`` checks its inputs, resolves TP and
-dispatches to a formulation: the fused head (the product), the renorm K-rows fast path, or a reference."""
+"""The top-K loss, of any teacher given as K slots per token (``teacher.SlotTeacher``: a store's top-K, top-p or
+drawn ids): ``topk_kd_loss`` checks its inputs, resolves TP and dispatches to a formulation: the fused head (the
+product), the renorm K-rows fast path, or a reference."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from .fused_head import fused_topk_kl
 from .options import KDLossOptions, KDLossResult
 from .references import dense_topk_kl, forward_chunked_topk_kl
 from .renorm_rows import renorm_rows_topk_kl
-from .teacher import SampledTeacher, TopKTeacher, teacher_mass, tensor_map
+from .teacher import SlotTeacher, tensor_map
 from .tp import hidden_to_tp_region, resolve_shard
 from .validate import check_shapes, check_values
 
 
-def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeacher | SampledTeacher, *,
+def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: SlotTeacher, *,
                  loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                  options: KDLossOptions | None = None, tp_group=None, sequence_parallel: bool = False,
                  accumulate_main_grad: bool = True, **option_overrides) -> KDLossResult:
@@ -56,8 +57,7 @@ def topk_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeache
     counted = loss_mask.reshape(-1) != 0
     if options.impl == "dense":
         flat = tensor_map(lambda t: t.reshape(-1, t.shape[-1]), teacher)    # [T, K]
-        mass = teacher_mass(flat.ids, flat.logprobs.double(),
-                            flat.weights if isinstance(flat, SampledTeacher) else None)
+        mass = flat.mass()
         sums = dense_topk_kl(hidden2d, weight, flat, loss_mask.reshape(-1),
                              None if labels is None else labels.reshape(-1), options, shard, dtype)
     else:

@@ -6,7 +6,7 @@ import torch
 
 from .options import KDLossOptions
 from .chunk_loop import IGNORE_INDEX
-from .teacher import SampledTeacher, TopKTeacher, teacher_mass
+from .teacher import SlotTeacher
 from .tp import VocabShard
 
 
@@ -14,7 +14,7 @@ def _is_int(t: torch.Tensor) -> bool:
     return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
 
 
-def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeacher | SampledTeacher,
+def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: SlotTeacher,
                  loss_mask: torch.Tensor | None, labels: torch.Tensor | None, options: KDLossOptions,
                  shard: VocabShard, sequence_parallel: bool) -> None:
     """Raise ValueError naming the offending shape or dtype."""
@@ -25,10 +25,9 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeache
                          f"got {tuple(weight.shape)} {weight.dtype}")
     seq = hidden.shape[0] * (shard.size if sequence_parallel else 1)
     tokens = (seq, hidden.shape[1])
-    if not isinstance(teacher, (TopKTeacher, SampledTeacher)):
-        raise ValueError(f"teacher must be a TopKTeacher or a SampledTeacher, got {type(teacher).__name__}")
-    teacher_ids, teacher_logprobs = teacher.ids, teacher.logprobs
-    draw_weights = teacher.weights if isinstance(teacher, SampledTeacher) else None
+    if not callable(getattr(teacher, "buckets", None)):
+        raise ValueError(f"teacher must be a SlotTeacher (K slots per token), got {type(teacher).__name__}")
+    teacher_ids, teacher_logprobs, slot_weights = teacher.ids, teacher.logprobs, teacher.weights
     if teacher_ids.dim() != 3 or tuple(teacher_ids.shape[:2]) != tokens or not _is_int(teacher_ids):
         raise ValueError(f"teacher_ids must be an integer [s={seq}, b={hidden.shape[1]}, K] tensor, "
                          f"got {tuple(teacher_ids.shape)} {teacher_ids.dtype}")
@@ -37,13 +36,11 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeache
     if teacher_logprobs.shape != teacher_ids.shape or not teacher_logprobs.dtype.is_floating_point:
         raise ValueError(f"teacher_logprobs must be a float tensor shaped like teacher_ids {tuple(teacher_ids.shape)},"
                          f" got {tuple(teacher_logprobs.shape)} {teacher_logprobs.dtype}")
-    if (draw_weights is not None) != (options.tail == "sampled"):
-        raise ValueError(f"a {type(teacher).__name__} with tail={options.tail!r}: tail='sampled' takes exactly a "
-                         "SampledTeacher (drawn ids with their importance weights), the other tails a TopKTeacher")
-    if draw_weights is not None and (draw_weights.shape != teacher_ids.shape
-                                       or not draw_weights.dtype.is_floating_point):
-        raise ValueError(f"the draws' weights must be a float tensor shaped like their ids {tuple(teacher_ids.shape)}, "
-                         f"got {tuple(draw_weights.shape)} {draw_weights.dtype}")
+    teacher.check_tail(options.tail)
+    if slot_weights is not None and (slot_weights.shape != teacher_ids.shape
+                                     or not slot_weights.dtype.is_floating_point):
+        raise ValueError(f"the slots' weights must be a float tensor shaped like their ids {tuple(teacher_ids.shape)}, "
+                         f"got {tuple(slot_weights.shape)} {slot_weights.dtype}")
     if loss_mask is not None and tuple(loss_mask.shape) != tokens:
         raise ValueError(f"loss_mask must be [s, b] = {tokens}, got {tuple(loss_mask.shape)}")
     if labels is None and options.alpha < 1.0:
@@ -56,14 +53,13 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopKTeache
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_values(teacher: TopKTeacher | SampledTeacher, loss_mask: torch.Tensor, labels: torch.Tensor | None,
+def check_values(teacher: SlotTeacher, loss_mask: torch.Tensor, labels: torch.Tensor | None,
                  options: KDLossOptions, vocab_size: int) -> None:
     """Raise ValueError for ids outside [0, V), NaN/+inf or positive log-probs (-inf is padding: probability 0),
-    top-K mass (sampled: of the distinct drawn ids) above 1 + mass_tolerance, labels outside [0, V) on counted
-    tokens (IGNORE_INDEX = -100 is allowed: no CE term), or draw_weights that are not finite and >= 0. One host
+    the teacher's mass (``SlotTeacher.mass``) above 1 + mass_tolerance, labels outside [0, V) on counted tokens
+    (IGNORE_INDEX = -100 is allowed: no CE term), or slot weights that are not finite and >= 0. One host
     sync; none for an empty batch (s = 0 or b = 0: nothing to check, the loss is 0)."""
-    teacher_ids = teacher.ids
-    draw_weights = teacher.weights if isinstance(teacher, SampledTeacher) else None
+    teacher_ids, slot_weights = teacher.ids, teacher.weights
     if teacher_ids.numel() == 0:
         return
     logprobs = teacher.logprobs.double()
@@ -74,11 +70,11 @@ def check_values(teacher: TopKTeacher | SampledTeacher, loss_mask: torch.Tensor,
         scored = counted & (labels != IGNORE_INDEX)
         label_range = [torch.where(scored, labels, 0).min(), torch.where(scored, labels, 0).max()]
     weight_stats = [logprobs.new_zeros(())] * 2                              # [non-finite count, min]
-    if draw_weights is not None:
-        weight_stats = [(~draw_weights.isfinite()).sum().double(), draw_weights.double().min()]
+    if slot_weights is not None:
+        weight_stats = [(~slot_weights.isfinite()).sum().double(), slot_weights.double().min()]
     stats = torch.stack([teacher_ids.min().double(), teacher_ids.max().double(),
                          logprobs.isnan().sum().double(), (logprobs == torch.inf).sum().double(),
-                         finite.max(), teacher_mass(teacher_ids, logprobs, draw_weights).max(),
+                         finite.max(), teacher.mass().max(),
                          *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device) for v in label_range),
                          *weight_stats])
     id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max, bad_weights, weight_min = stats.tolist()
@@ -87,7 +83,7 @@ def check_values(teacher: TopKTeacher | SampledTeacher, loss_mask: torch.Tensor,
     if nans or pos_inf:
         raise ValueError(f"teacher_logprobs has {int(nans)} NaN and {int(pos_inf)} +inf entries")
     if bad_weights or weight_min < 0:
-        raise ValueError(f"the draws' weights must be finite and >= 0 (importance weights), got {int(bad_weights)} "
+        raise ValueError(f"the slots' weights must be finite and >= 0 (importance weights), got {int(bad_weights)} "
                          f"NaN/inf entries and min {weight_min}")
     if lp_max > 0:
         raise ValueError(f"teacher_logprobs must be <= 0 (log-probabilities), got max {lp_max}")
