@@ -204,61 +204,69 @@ def _grad_buffers(plan: LossPlan, hidden: torch.Tensor, weight: torch.Tensor, ge
     return d_hidden, d_weight
 
 
+def _save_for_recompute(ctx, hidden, weight, plan: LossPlan, batch: KDBatch) -> tuple[bool, bool]:
+    """What a head Function's forward keeps for backward: the plan, batch and input dtypes, the weight's
+    ``main_grad`` when dW goes there; returns (dX needed, dW needed)."""
+    need_dx, need_dw = input_grads(ctx, plan)
+    ctx.plan, ctx.batch, ctx.saved_coefs, ctx.input_dtypes = plan, batch, None, (hidden.dtype, weight.dtype)
+    ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
+    return need_dx, need_dw
+
+
+def _recompute_backward(ctx, grad_scale: torch.Tensor, ce_scale: torch.Tensor | None = None):
+    """``recompute``'s backward: each chunk's logits again, its gradient scaled by ``grad_scale`` (the CE
+    coefficients of a per-token pass by ``ce_scale``) into dX and dW (into ``main_grad`` when the weight has one).
+    Returns (d hidden, d weight) in the inputs' dtypes."""
+    hidden, weight = ctx.saved_tensors
+    plan, main_grad = ctx.plan, ctx.main_grad
+    ctx.main_grad = None
+    dtype, block_rows = _gemm_dtype(plan, hidden, weight), _block_rows(plan, weight)
+    d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, *ctx.needs_input_grad[:2], main_grad)
+    backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_scale, _logits_source(hidden, weight, dtype, block_rows),
+                  _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows), ce_scale=ce_scale)
+    hidden_dtype, weight_dtype = ctx.input_dtypes
+    weight_grad = main_grad.placeholder_grad() if main_grad is not None else finish_grad(d_weight, None,
+                                                                                          weight_dtype)
+    return finish_grad(d_hidden, None, hidden_dtype), weight_grad
+
+
 class _FusedTopKKL(torch.autograd.Function):
     """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum).
 
-    dW goes into ``weight.main_grad`` (megatron-core DDP's convention, ``main_grad.py``) when ``plan.accumulate_main_grad``
-    finds one; ``recompute`` then accumulates each chunk's dW there directly, ``grad_in_forward`` adds its held dW
-    scaled by the incoming gradient in backward."""
+    dW goes into ``weight.main_grad`` (``MainGrad``) when ``plan.accumulate_main_grad`` finds one; ``recompute`` then
+    accumulates each chunk's dW there directly, ``grad_in_forward`` adds its held dW scaled by the incoming gradient
+    in backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
-        dtype = _gemm_dtype(plan, hidden, weight)
-        block_rows = _block_rows(plan, weight)
-        need_dx, need_dw = input_grads(ctx, plan)
-        ctx.plan, ctx.batch, ctx.saved_coefs = plan, batch, None
-        ctx.input_dtypes = (hidden.dtype, weight.dtype)
-        ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
+        need_dx, need_dw = _save_for_recompute(ctx, hidden, weight, plan, batch)
+        dtype, block_rows = _gemm_dtype(plan, hidden, weight), _block_rows(plan, weight)
         logits_chunk = _logits_source(hidden, weight, dtype, block_rows)
+        ctx.grads = None
         if plan.options.mode == "grad_in_forward" and (need_dx or need_dw):
-            d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, need_dx, need_dw, None)
-            totals, _ = forward_pass(plan, batch, logits_chunk,
-                                     _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows),
-                                     keep_coefs=False)
-            ctx.grads = (d_hidden, d_weight)
+            ctx.grads = _grad_buffers(plan, hidden, weight, dtype, need_dx, need_dw, None)
+            totals, _ = forward_pass(plan, batch, logits_chunk, _grad_sink(hidden, weight, *ctx.grads, dtype,
+                                                                           block_rows), keep_coefs=False)
         else:
             totals, ctx.saved_coefs = forward_pass(plan, batch, logits_chunk, None, keep_coefs=need_dx or need_dw)
             if need_dx or need_dw:
                 ctx.save_for_backward(hidden, weight)
-            ctx.grads = None
         return loss_totals(ctx, plan, totals)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        hidden_dtype, weight_dtype = ctx.input_dtypes
+        if ctx.grads is None:
+            return *_recompute_backward(ctx, grad_loss.to(ctx.plan.dtype)), None, None
+        if ctx.grads == ():                                                  # grad_in_forward: scale only
+            raise RuntimeError("the fused KD loss (grad_in_forward) supports one backward per forward")
+        (d_hidden, d_weight), ctx.grads = ctx.grads, ()
         main_grad, ctx.main_grad = ctx.main_grad, None
-        if ctx.grads is not None:                                            # grad_in_forward: scale only
-            if ctx.grads == ():
-                raise RuntimeError("the fused KD loss (grad_in_forward) supports one backward per forward")
-            d_hidden, d_weight = ctx.grads
-            ctx.grads = ()
-            if main_grad is not None and d_weight is not None:
-                main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
-                d_weight = None
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        if main_grad is not None and d_weight is not None:
+            main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
+            weight_grad = main_grad.placeholder_grad()
         else:
-            hidden, weight = ctx.saved_tensors
-            plan = ctx.plan
-            dtype = _gemm_dtype(plan, hidden, weight)
-            block_rows = _block_rows(plan, weight)
-            d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, *ctx.needs_input_grad[:2], main_grad)
-            backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_loss.to(plan.dtype),
-                          _logits_source(hidden, weight, dtype, block_rows),
-                          _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows))
-            grad_loss = None
-            if main_grad is not None:
-                d_weight = None                                              # already in main_grad
-        weight_grad = main_grad.placeholder_grad() if main_grad is not None else finish_grad(d_weight, grad_loss,
-                                                                                              weight_dtype)
+            weight_grad = finish_grad(d_weight, grad_loss, weight_dtype)
         return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad, None, None
 
 
@@ -273,9 +281,7 @@ class _FusedTokenValues(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch):
-        need_dx, need_dw = input_grads(ctx, plan)
-        ctx.plan, ctx.batch, ctx.input_dtypes = plan, batch, (hidden.dtype, weight.dtype)
-        ctx.main_grad = main_grad_of(weight, plan.dtype, plan.accumulate_main_grad) if need_dw else None
+        need_dx, need_dw = _save_for_recompute(ctx, hidden, weight, plan, batch)
         values = PerToken(hidden.new_zeros(hidden.shape[0], dtype=plan.dtype),
                           hidden.new_zeros(hidden.shape[0], dtype=plan.dtype))
         logits = _logits_source(hidden, weight, _gemm_dtype(plan, hidden, weight), _block_rows(plan, weight))
@@ -284,21 +290,8 @@ class _FusedTokenValues(torch.autograd.Function):
         return values.ce.neg_(), values.kd
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_kd):
-        hidden, weight = ctx.saved_tensors
-        plan, main_grad = ctx.plan, ctx.main_grad
-        ctx.main_grad = None
-        dtype = _gemm_dtype(plan, hidden, weight)
-        block_rows = _block_rows(plan, weight)
-        d_hidden, d_weight = _grad_buffers(plan, hidden, weight, dtype, *ctx.needs_input_grad[:2], main_grad)
-        backward_pass(plan, ctx.batch, ctx.saved_coefs, grad_kd.to(plan.dtype),
-                      _logits_source(hidden, weight, dtype, block_rows),
-                      _grad_sink(hidden, weight, d_hidden, d_weight, dtype, block_rows),
-                      ce_scale=-grad_logprobs.to(plan.dtype))                     # d l / d r = -d ce / d r
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        weight_grad = main_grad.placeholder_grad() if main_grad is not None else finish_grad(d_weight, None,
-                                                                                              weight_dtype)
-        return finish_grad(d_hidden, None, hidden_dtype), weight_grad, None, None
+    def backward(ctx, grad_logprobs, grad_kd):                                # d l / d r = -d ce / d r
+        return *_recompute_backward(ctx, grad_kd.to(ctx.plan.dtype), -grad_logprobs.to(ctx.plan.dtype)), None, None
 
 
 def fused_token_values(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan,
