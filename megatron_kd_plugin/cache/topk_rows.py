@@ -45,8 +45,8 @@ class TopKRows(RowKind):
     def check_tail(self, options: KDLossOptions) -> None:
         """ValueError for a tail these slots cannot serve."""
         if options.tail == "sampled":
-            raise ValueError(f"kd.tail='sampled' does not fit the {self.mode} store {self.reader.path}: it needs a store "
-                             "written with --draws N; use another tail")
+            raise ValueError(f"kd.tail='sampled' does not fit the {self.mode} store {self.reader.path}: it needs a "
+                             "store written with --draws N; use another tail")
 
     def rows_per_sample(self) -> int:
         return self.reader.spec.seq_length // self.seq_length

@@ -169,7 +169,8 @@ def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
 
 
 def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, folder: pathlib.Path) -> dict:
-    """The pruned student (``qwen3_models.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
+    """The pruned student (``qwen3_models.compress``) saved as a HF folder with the tokenizer; returns the parameter
+    counts."""
     from megatron_kd_plugin.demo import qwen3_models
 
     teacher = qwen3_models.load(teacher_folder)
