@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_loss_helpers import (COMBOS, make_case, make_sampled_case, one_thread,  # noqa: F401 (fixture)
-                                     rel_err, run_loss)
+                                     rel_err, run_loss, token_kd_from_definition)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,33 +128,6 @@ def test_ghost_matches_megatron_core_peer():
     assert rel_err(result.loss_sum, (peer * case["loss_mask"]).sum()) < 1e-6      # the peer computes in fp32
 
 
-def _explicit_loss(z, ids, logprobs, tail, divergence, tau, beta):
-    """One token from the definitions (DESIGN.md section 1), with explicit bucket distributions."""
-    p = {}
-    for i, logprob in zip(ids.tolist(), logprobs.tolist(), strict=True):
-        if logprob > -math.inf:
-            p[i] = p.get(i, 0.0) + math.exp(logprob)
-    support = sorted(p)
-    q = torch.softmax(z / tau, -1)
-    p_s = torch.tensor([p[i] for i in support], dtype=torch.float64)
-    q_s = q[support]
-    m = p_s.sum()
-    if tail == "ghost":
-        P = torch.softmax(torch.cat([p_s, (1 - m).reshape(1)]).log() / tau, -1)
-        Q = torch.cat([q_s, (1 - q_s.sum()).reshape(1)])
-    elif tail == "none":
-        P, Q = m * torch.softmax(p_s.log() / tau, -1), q_s
-    else:
-        P, Q = torch.softmax(p_s.log() / tau, -1), q_s / q_s.sum()
-    kl = lambda a, b: (a * (a / b).log()).sum()                 # noqa: E731
-    if divergence == "forward_kl":
-        return kl(P, Q)
-    if divergence == "reverse_kl":
-        return kl(Q, P)
-    M = beta * P + (1 - beta) * Q
-    return beta * kl(P, M) + (1 - beta) * kl(Q, M)
-
-
 @pytest.mark.parametrize("tail,divergence", COMBOS)
 def test_dense_reference_matches_definition(tail, divergence):
     """The reference itself, token by token, against distributions built by hand (with duplicates, padding)."""
@@ -163,8 +136,8 @@ def test_dense_reference_matches_definition(tail, divergence):
     tau, beta = 1.7, 0.3
     result, _, _ = run_loss(case, impl="dense", tail=tail, divergence=divergence, temperature=tau, jsd_beta=beta)
     z = case["hidden"] @ case["weight"].t()
-    expected = sum(_explicit_loss(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail,
-                                  divergence, tau, beta) for i in range(2) for j in range(3))
+    expected = sum(token_kd_from_definition(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j],
+                                            tail, divergence, tau, beta)[0] for i in range(2) for j in range(3))
     assert rel_err(result.kd_sum, expected) < 1e-10
     assert rel_err(result.loss_sum, tau ** 2 * expected) < 1e-10
 

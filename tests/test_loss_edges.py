@@ -101,3 +101,21 @@ def test_ignore_index_labels_have_no_ce_term():
             assert rel_err(got.loss_sum, ref_loss) < 1e-9 and rel_err(got.ce_sum, ce) < 1e-9, where
             assert rel_err(dh, ref_dh) < 1e-9 and rel_err(dw, ref_dw) < 1e-9, where
             assert int(got.num_tokens) == int((case["loss_mask"] != 0).sum()), where
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0, 4.0])
+def test_ghost_tail_is_consistent_at_every_temperature(temperature):
+    """A student equal to its teacher (the same full-vocab logits) is the ghost loss's fixed point at every tau:
+    loss 0 and zero gradients, for every divergence and path. The tail tempered "like one more token" (rho = 1,
+    the rule this replaced) fails it for tau != 1: it pulled such a student away from its teacher."""
+    gen = torch.Generator().manual_seed(3)
+    s, b, vocab, k = 2, 6, 40, 5
+    logits = torch.randn(s, b, vocab, generator=gen, dtype=torch.float64) * 2       # [s, b, V] teacher = student
+    logprobs, ids = logits.log_softmax(-1).topk(k, dim=-1)
+    case = dict(hidden=logits, weight=torch.eye(vocab, dtype=torch.float64), teacher_ids=ids.to(torch.int32),
+                teacher_logprobs=logprobs, loss_mask=torch.ones(s, b, dtype=torch.float64))
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        for path in PATHS:
+            got, dh, dw = run_loss(case, tail="ghost", divergence=divergence, temperature=temperature, **path)
+            assert abs(float(got.loss_sum)) < 1e-12, (divergence, path, float(got.loss_sum))
+            assert dh.abs().max() < 1e-12 and dw.abs().max() < 1e-12, (divergence, path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -149,3 +150,40 @@ def make_ragged_case(*, s=3, b=5, hidden_size=9, vocab=37, k=8, seed=0, teacher_
     ids = torch.where(keep, ids, -1).sort(dim=-1, stable=True)
     logprobs = torch.where(keep, logprobs, -torch.inf).gather(-1, ids.indices)
     return dict(case, teacher_ids=ids.values.clamp(min=0).to(torch.int32), teacher_logprobs=logprobs)
+
+
+def token_kd_from_definition(z: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: str, divergence: str,
+                             tau: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's (KD term, student mass on the support) from the definitions, z [V] the student's raw logits
+    (differentiable). The teacher's finite slots are its support (repeated ids add up; padding carries nothing).
+    ghost: over the FULL vocab, the teacher's unknown tail filled with the student's tail shape at tau = 1
+    (stop-gradient) and both sides tempered, P_j ∝ p_j^(1/tau) on S, ((1 - m) q1_j / sum_tail q1)^(1/tau) off S;
+    none: P = m softmax_K(l / tau) against q on S; renorm: both renormalised over S."""
+    p = {}
+    for i, logprob in zip(ids.tolist(), logprobs.tolist(), strict=True):
+        if logprob > -math.inf:
+            p[i] = p.get(i, 0.0) + math.exp(logprob)
+    support = sorted(p)
+    q = torch.softmax(z / tau, -1)
+    p_s = torch.tensor([p[i] for i in support], dtype=torch.float64)
+    q_s = q[support]
+    m = p_s.sum()
+    if tail == "ghost":
+        q1 = torch.softmax(z.detach(), -1)
+        off = torch.ones(len(z), dtype=torch.bool)
+        off[support] = False
+        P = torch.zeros_like(q1)
+        P[support] = p_s ** (1 / tau)
+        P[off] = ((1 - m) * q1[off] / q1[off].sum()) ** (1 / tau)
+        P, Q = P / P.sum(), q
+    elif tail == "none":
+        P, Q = m * torch.softmax(p_s.log() / tau, -1), q_s
+    else:
+        P, Q = torch.softmax(p_s.log() / tau, -1), q_s / q_s.sum()
+    kl = lambda a, c: (a * (a / c).log()).sum()                # noqa: E731
+    if divergence == "forward_kl":
+        return kl(P, Q), q_s.sum()
+    if divergence == "reverse_kl":
+        return kl(Q, P), q_s.sum()
+    M = beta * P + (1 - beta) * Q
+    return beta * kl(P, M) + (1 - beta) * kl(Q, M), q_s.sum()

@@ -9,38 +9,14 @@ import math
 import pytest
 import torch
 
-from tests.test_loss_helpers import COMBOS, make_ragged_case, one_thread, rel_err, run_loss  # noqa: F401 (fixture)
+from tests.test_loss_helpers import (COMBOS, make_ragged_case, one_thread, rel_err, run_loss,  # noqa: F401
+                                     token_kd_from_definition)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FORMULATIONS = [dict(impl="dense"), dict(impl="forward_chunked"), dict(impl="fused", mode="recompute"),
                 dict(impl="fused", mode="grad_in_forward")]
 OPTIONS = [dict(temperature=1.0, alpha=1.0), dict(temperature=1.7, alpha=0.4, with_labels=True, jsd_beta=0.3)]
-
-
-def _token_kd(z: torch.Tensor, ids, logprobs, tail: str, divergence: str, tau: float,
-              beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token's (KD term, student mass on the support) from DESIGN.md section 1: the teacher's finite slots are
-    its support (the padding slots carry no probability, whatever their id), z [V] the student's logits."""
-    p = {int(i): math.exp(l) for i, l in zip(ids.tolist(), logprobs.tolist(), strict=True) if l > -math.inf}
-    support = sorted(p)
-    q = torch.softmax(z / tau, -1)
-    p_s = torch.tensor([p[i] for i in support], dtype=torch.float64)
-    q_s = q[support]
-    if tail == "ghost":
-        P = torch.softmax(torch.cat([p_s, (1 - p_s.sum()).reshape(1)]).log() / tau, -1)
-        Q = torch.cat([q_s, (1 - q_s.sum()).reshape(1)])
-    elif tail == "none":
-        P, Q = p_s.sum() * torch.softmax(p_s.log() / tau, -1), q_s
-    else:
-        P, Q = torch.softmax(p_s.log() / tau, -1), q_s / q_s.sum()
-    kl = lambda a, c: (a * (a / c).log()).sum()                # noqa: E731
-    if divergence == "forward_kl":
-        return kl(P, Q), q_s.sum()
-    if divergence == "reverse_kl":
-        return kl(Q, P), q_s.sum()
-    M = beta * P + (1 - beta) * Q
-    return beta * kl(P, M) + (1 - beta) * kl(Q, M), q_s.sum()
 
 
 def reference(case, *, tail, divergence, temperature=1.0, alpha=1.0, jsd_beta=0.5, with_labels=False,
@@ -56,7 +32,7 @@ def reference(case, *, tail, divergence, temperature=1.0, alpha=1.0, jsd_beta=0.
             w = float(case["loss_mask"][i, j])
             if w == 0:
                 continue
-            kd, student_mass = _token_kd(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail,
+            kd, student_mass = token_kd_from_definition(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j], tail,
                                          divergence, temperature, jsd_beta)
             ce = -torch.log_softmax(z[i, j], -1)[case["labels"][i, j]] if with_labels else 0.0
             total = total + w * (alpha * temperature ** 2 * kd + (1 - alpha) * ce)

@@ -4,19 +4,21 @@ For one chunk of c tokens with raw logits r [c, V/tp] (``token_math`` for the na
 
     chunk = backend.load(r, rows)
     M = MAX-all-reduce(chunk.local_max())                                 # [c] max_j z_j, z = r / tau
-    partials = SUM-all-reduce(chunk.partial_sums(M))                      # [c, 1 + K (+1) (+1)]: E_tail, g, r_y, S1
+    partials = SUM-all-reduce(chunk.partial_sums(M))     # [c, 1 + K (+1) (+1) (+1)]: E_tail, g, r_y, S1, S1_tail
     coefs = backend.coefs(rows, token_terms(...), partials)               # ChunkCoefs, linear in d loss
     grad = chunk.logits_grad_(M, coefs)                                   # [c, V/tp] d loss / d r, in r's buffer
 
 Backward in ``recompute`` mode repeats ``load`` and ``logits_grad_`` with the saved M and scaled coefficients.
 
 ``TorchChunks`` (``chunk_ops``): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the support in
-place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1), gradient
+place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1; S1_tail = sum of E^tau for the ghost tail
+at tau != 1), gradient
 dr = dense E + ce_dense E1 + scatter(support) + scatter(label).
 ``TritonChunks`` (``megatron_kd_plugin.kernels``, math in ``kernels/reference.py``): r stays in its dtype (bf16 on
 GPU). ``chunk_row_stats(r, [support | label], 1/tau, exclude=support)`` gives the local max, the off-support
 sum-exp and the gathered z, rescaled to the global M before the SUM all-reduce (a second
-``chunk_row_stats(r, -, 1)`` gives S1 for CE at tau != 1); ``chunk_logit_grad_`` writes
+``chunk_row_stats(r, -, 1)`` gives S1 for CE at tau != 1, and ``chunk_row_stats(r, -, 1, exclude=support)`` S1_tail
+for the ghost tail at tau != 1); ``chunk_logit_grad_`` writes
 dr = dense exp(z - M) + ce_dense exp(r - tau M) + scatter(support') + scatter(label) over the whole row, where
 support' = support - dense exp(g - M) cancels the dense term the kernel also writes at the support ids.
 """
@@ -70,7 +72,7 @@ class _TorchChunk:
     def _exp_buffers(self, row_max: torch.Tensor):
         """(E off the support, in place of z; E1 = exp(tau (z - M)) over the whole vocab for CE at tau != 1)."""
         plan, batch, rows = self.plan, self.batch, self.rows
-        with_full = plan.with_labels and plan.options.temperature != 1.0
+        with_full = plan.ce_needs_unit_softmax
         full = ((self.z - row_max[:, None]) * plan.options.temperature).exp_() if with_full else None
         return exp_off_support_(self.z, row_max, self.ids, batch.local_valid[rows]), full
 
@@ -84,8 +86,10 @@ class _TorchChunk:
         exp_off, exp_full = self.exp
         if exp_full is not None:
             columns.append(exp_full.sum(-1, keepdim=True))
+        if self.plan.tail_needs_student_shape:                               # S1_tail = sum off S of E^tau
+            columns.append(exp_off.pow(self.plan.options.temperature).sum(-1, keepdim=True))
         columns.insert(0, exp_off.sum(-1, keepdim=True))
-        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1)]
+        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1) (+1)]
 
     def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
         plan, batch, rows = self.plan, self.batch, self.rows
@@ -120,7 +124,7 @@ class _TritonChunk:
     def __init__(self, backend: TritonChunks, r: torch.Tensor, rows: slice):
         self.backend, self.r, self.rows = backend, r, rows
         self.support_ids, self.ids = backend.chunk_ids(rows)                 # [c, K], [c, K (+1)]
-        self.stats = self.ce_stats = None
+        self.stats = self.ce_stats = self.tail_stats = None
 
     def local_max(self) -> torch.Tensor:
         from megatron_kd_plugin.kernels import chunk_row_stats
@@ -128,8 +132,11 @@ class _TritonChunk:
         backend, rows = self.backend, self.rows
         tau = backend.plan.options.temperature
         self.stats = chunk_row_stats(self.r, self.ids, 1.0 / tau, exclude=self.support_ids, kernels="triton")
-        if backend.with_full:
+        if backend.plan.ce_needs_unit_softmax:
             self.ce_stats = chunk_row_stats(self.r, self.ids[:, :0], 1.0, kernels="triton")
+        if backend.plan.tail_needs_student_shape:
+            self.tail_stats = chunk_row_stats(self.r, self.ids[:, :0], 1.0, exclude=self.support_ids,
+                                              kernels="triton")
         return self.stats[0].clone()                                         # [c] local max, kept for the rescale
 
     def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
@@ -139,10 +146,11 @@ class _TritonChunk:
         columns = [(sum_exp * (local_max - row_max).exp())[:, None], gathered[:, :k]]
         if plan.with_labels:
             columns.append(gathered[:, k:] * plan.options.temperature)
-        if self.ce_stats is not None:
-            ce_max, ce_sum_exp = self.ce_stats[0].to(plan.dtype), self.ce_stats[1].to(plan.dtype)
-            columns.append((ce_sum_exp * (ce_max - plan.options.temperature * row_max).exp())[:, None])
-        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1)]
+        for stats in (self.ce_stats, self.tail_stats):                      # S1, S1_tail
+            if stats is not None:
+                local_max, local_sum = stats[0].to(plan.dtype), stats[1].to(plan.dtype)
+                columns.append((local_sum * (local_max - plan.options.temperature * row_max).exp())[:, None])
+        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1) (+1)]
 
     def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
         from megatron_kd_plugin.kernels import chunk_logit_grad_
@@ -160,7 +168,6 @@ class TritonChunks:
 
     def __init__(self, plan: LossPlan, batch: KDBatch):
         self.plan, self.batch = plan, batch
-        self.with_full = plan.with_labels and plan.options.temperature != 1.0
 
     def chunk_ids(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """(support ids [c, K], support + label ids [c, K (+1)]): local columns, -1 where not on this shard."""

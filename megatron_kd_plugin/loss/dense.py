@@ -15,10 +15,12 @@ from .tp import VocabShard
 
 
 @torch.no_grad()
-def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, dtype):
-    """Teacher buckets on the grid: (log P [T, V] (-inf off the support), support [T, V] bool, m [T],
-    ghost tail log P [T], tail present [T]). Repeated ids add up; m and the tail's log(1 - m) in float64."""
-    tau = options.temperature
+def _teacher_grid(teacher_ids, teacher_logprobs, logits, options: KDLossOptions, dtype):
+    """Teacher buckets on the grid of the student's raw ``logits`` [T, V]: (log P [T, V] (-inf off the support),
+    support [T, V] bool, m [T], ghost tail log P [T], tail present [T]). Repeated ids add up; m and the tail's
+    log(1 - m) in float64. The ghost tail at tau != 1 is (1 - m)^(1/tau) rho, rho from the student's tail shape
+    (``token_math``), here summed over the grid."""
+    tau, shape = options.temperature, logits.shape
     valid = teacher_logprobs > -torch.inf                                    # [T, K]
     log_p = torch.zeros(shape, dtype=dtype, device=teacher_ids.device)
     log_p.scatter_add_(-1, teacher_ids, torch.where(valid, teacher_logprobs.exp(), 0.0).to(dtype))   # P [T, V]
@@ -31,6 +33,10 @@ def _teacher_grid(teacher_ids, teacher_logprobs, shape, options: KDLossOptions, 
     tail = torch.full_like(mass, -torch.inf)
     if options.tail == "ghost":
         tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)) / tau, -torch.inf)
+        if tau != 1.0:
+            off_support = logits.masked_fill(support, -torch.inf)                # [T, V] r off S
+            unit = off_support.logsumexp(-1)
+            tail = tail + torch.where(unit > -torch.inf, (off_support / tau).logsumexp(-1) - unit / tau, 0.0)
         norm = torch.logaddexp(log_p.logsumexp(-1), tail)
         tail = tail - norm
     else:
@@ -67,7 +73,6 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         ce = F.cross_entropy(logits, labels.long(), reduction="none")
         ce_sum = (weights * torch.where(loss_mask != 0, ce, 0.0)).sum()
     log_q = (logits if tau == 1.0 else logits / tau).log_softmax(-1)         # [T, V] student log q
-    del logits
     if options.tail == "sampled":
         p_hat, cross = _sampled_grid(teacher_ids.long(), teacher_logprobs.to(dtype), sample_weights, log_q.shape,
                                      dtype)
@@ -75,8 +80,9 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_ids: torch
         with torch.no_grad():
             student_mass = torch.where(p_hat > 0, log_q.exp(), 0.0).sum(-1)
         return _sums(kd, student_mass, ce_sum, loss_mask, options)
-    log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs, log_q.shape,
+    log_p, support, mass, tail_p, tail_present = _teacher_grid(teacher_ids.long(), teacher_logprobs, logits,
                                                                options, dtype)
+    del logits
     has_support = support.any(-1)
     with torch.no_grad():
         student_mass = torch.where(support, log_q.exp(), 0.0).sum(-1)

@@ -36,14 +36,25 @@ class LossPlan:
     """``torch.is_grad_enabled()`` at the call. Off (``torch.no_grad()``, Bridge's evaluation loop) the Functions
     form no gradient and keep no per-token state (``input_grads``)."""
 
+    @property
+    def ce_needs_unit_softmax(self) -> bool:
+        """CE is formed at tau != 1: its softmax(r) needs the untempered sum S1 (``token_math``)."""
+        return self.with_labels and self.options.temperature != 1.0
+
+    @property
+    def tail_needs_student_shape(self) -> bool:
+        """The ghost tail at tau != 1: the teacher's tail bucket is tempered with the student's tail shape, which
+        needs the untempered off-support sum S1_tail (``token_math``)."""
+        return self.options.tail == "ghost" and self.options.temperature != 1.0
+
     def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the
-        logits chunk (Triton: in ``logits_dtype``, gradient written in place), or E plus E1 for CE at tau != 1
-        (PyTorch: in ``dtype``)."""
+        logits chunk (Triton: in ``logits_dtype``, gradient written in place), or E plus E1 = exp(r - tau M) for
+        CE or the ghost tail at tau != 1 (PyTorch: in ``dtype``)."""
         if self.triton:
             bytes_per_token = vocab_local * (self.logits_dtype or self.dtype).itemsize
         else:
-            buffers = 2 if self.with_labels and self.options.temperature != 1.0 else 1
+            buffers = 2 if self.ce_needs_unit_softmax or self.tail_needs_student_shape else 1
             bytes_per_token = vocab_local * buffers * self.dtype.itemsize
         return max(1, self.options.budget_bytes(device) // max(1, bytes_per_token))
 

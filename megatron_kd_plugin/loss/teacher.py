@@ -21,8 +21,10 @@ class TeacherBuckets(NamedTuple):
     sorted by ``teacher_buckets``. Row-sliceable."""
 
     valid: torch.Tensor         # [T, K] bool: the slot is a bucket (a distinct id with probability > 0)
-    log_p: torch.Tensor         # [T, K] tempered log-prob of each slot's bucket, -inf where not valid
-    log_p_tail: torch.Tensor    # [T] ghost: tempered log-prob of the tail bucket (-inf where absent)
+    log_p: torch.Tensor         # [T, K] tempered log-prob of each slot's bucket, -inf where not valid (ghost at
+    #                             tau != 1: l / tau, normalised per chunk with the student's tail, ``token_math``)
+    log_p_tail: torch.Tensor    # [T] ghost: tempered log-prob of the tail bucket, -inf where absent (at tau != 1:
+    #                             log(1 - m) / tau, before the student's tail shape and the normalisation)
     tail_present: torch.Tensor  # [T] bool: ghost and the vocab has ids outside the support
     mass: torch.Tensor          # [T] untempered top-K mass m = sum_k exp(l_k) (sampled: of the distinct drawn ids)
     value_offset: torch.Tensor  # [T] sampled: sum_k w_k l_k - sum_b P_b log P_b (0 for the other tails)
@@ -115,7 +117,10 @@ def _topk_buckets(ids: torch.Tensor, logprobs: torch.Tensor, tail: str, temperat
     if tail == "ghost":
         tail_present = valid.sum(-1) < vocab_size
         raw_tail = torch.where(tail_present, torch.log1p(-mass.clamp(max=1.0)), no_tail)  # log(1 - m)
-        buckets = torch.cat([tempered, (raw_tail / temperature)[:, None]], dim=-1).log_softmax(-1)
+        if temperature != 1.0:                           # finished per chunk, with the student's tail shape
+            return ids, TeacherBuckets(valid, torch.where(valid, tempered, neg_inf), raw_tail / temperature,
+                                       tail_present, mass, zero)
+        buckets = torch.cat([tempered, raw_tail[:, None]], dim=-1).log_softmax(-1)
         return ids, TeacherBuckets(valid, buckets[:, :-1], buckets[:, -1], tail_present, mass, zero)
     shape = torch.where(any_valid, tempered, torch.zeros_like(tempered)).log_softmax(-1)  # softmax_K(l / tau)
     shape = torch.where(valid, shape, neg_inf)

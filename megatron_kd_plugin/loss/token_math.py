@@ -5,8 +5,19 @@ V/tp this rank's shard. r = X W^T are the raw logits [T, V], z = r / tau, q = so
 
 Teacher (``teacher.py``): slot k of a token holds id I_k and log-prob l_k; repeated ids are merged, -inf slots are
 padding. The support S = the valid ids, m = sum_k exp(l_k). Buckets and their tempered teacher probabilities:
-    ghost   K + 1 buckets: the K ids and the tail (ids outside S).  P = softmax([l, log(1 - m)] / tau)
-            (the tail bucket is absent when S covers the whole vocab, K = V)
+    ghost   K + 1 buckets: the K ids and the tail (ids outside S).  P = softmax([l / tau, log T])
+            (the tail bucket is absent when S covers the whole vocab, K = V), where T stands for the teacher's
+            tempered tail sum_{j not in S} p_j^(1/tau), which the cache does not hold: only its mass 1 - m is known.
+            T = (1 - m)^(1/tau) rho,  rho = sum_{j not in S} q1_j^(1/tau) / (sum_{j not in S} q1_j)^(1/tau)
+            with q1 = softmax(r) the student at tau = 1 (stop-gradient): the teacher's tail given the student's
+            tail shape. rho = 1 at tau = 1 (T = 1 - m, exact); for tau > 1, 1 <= rho <= (V - K)^(1 - 1/tau).
+            It makes the loss consistent: if the student equals the teacher the estimate is exact and the loss 0,
+            and the one student whose buckets give zero gradient has q1_{I_k} = p_k and tail mass 1 - m, as at
+            tau = 1. (rho = 1 at every tau, "the tail tempered like one more token", is the smallest tempered tail
+            1 - m could have for tau > 1: it drove the student to starve every id outside the teacher's top-K,
+            and a demo heal at tau = 2 from perplexity 140 to 414.) In the chunk's numbers (below):
+            log rho = log E_tail - log S1_tail / tau, S1_tail = sum_{j not in S} exp(r_j - tau M); rho = 1 where
+            either sum underflows.
     none    K buckets, not normalised:                              P_k = m * softmax_K(l / tau)_k
     renorm  K buckets:                                              P = softmax_K(l / tau)
     sampled K buckets, the distinct drawn ids (tau = 1, forward KL):  P_b = sum_{k: I_k = b} w_k
@@ -36,9 +47,10 @@ A label y = -100 (``plan.IGNORE_INDEX``, torch's and Hugging Face's ignore_index
 is w alpha tau^2 f (its KD term counts, and it counts in num_tokens while w != 0), whether or not inputs are
 validated. Any other label must lie in [0, V) on tokens with w != 0 (checked when ``validate``).
 At tau = 1 softmax(r) = q, so the CE part folds into the same coefficients; otherwise it needs E1 = exp(r - tau M)
-and its sum S1 (one more exp pass over the chunk). Under TP every rank holds its shard of E: only M (MAX), and
-E_tail, g_k, r_y and S1 (SUM, each entry owned by one rank) are all-reduced; every rank then has every per-token
-number, and its own E-chunk gives its own dr-chunk.
+and its sum S1 (one more exp pass over the chunk); the ghost tail at tau != 1 needs S1_tail, E1's sum off the
+support (the same pass; T is a constant of the gradient, so nothing else changes). Under TP every rank holds its
+shard of E: only M (MAX), and E_tail, g_k, r_y, S1 and S1_tail (SUM, each entry owned by one rank) are all-reduced;
+every rank then has every per-token number, and its own E-chunk gives its own dr-chunk.
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ class TokenPartials(NamedTuple):
     tail_sum: torch.Tensor | None = None  # [c] E_tail = sum_{j not in S} exp(z_j - M)
     label_logit: torch.Tensor | None = None  # [c] r_y (tau = 1)
     ce_sum_exp: torch.Tensor | None = None  # [c] S1 = sum_j exp(r_j - tau M); None when tau = 1
+    unit_tail_sum: torch.Tensor | None = None  # [c] S1_tail = sum_{j not in S} exp(r_j - tau M): ghost, tau != 1
 
 
 class TokenTerms(NamedTuple):
@@ -72,6 +85,17 @@ class TokenTerms(NamedTuple):
     support_grad: torch.Tensor   # [c, K] added at the support ids (0 at invalid slots)
     label_grad: torch.Tensor     # [c] added at the label id
     ce_dense_coef: torch.Tensor | None  # [c] coefficient of E1 over the whole vocab (tau != 1 with labels)
+
+
+def _tempered_ghost_buckets(log_p: torch.Tensor, partials: TokenPartials, tau: float) -> torch.Tensor:
+    """[c, K + 1] teacher values [l / tau, log(1 - m) / tau] -> the normalised buckets log P with T = (1 - m)^(1/tau)
+    rho (module docstring)."""
+    spread = partials.tail_sum > 0
+    spread = spread & (partials.unit_tail_sum > 0)
+    log_rho = torch.where(spread, partials.tail_sum.log() - partials.unit_tail_sum.log() / tau, 0.0)
+    log_p = torch.cat([log_p[:, :-1], (log_p[:, -1] + log_rho)[:, None]], -1)
+    norm = log_p.logsumexp(-1, keepdim=True)                              # finite: a token has a bucket
+    return log_p - torch.where(norm > -torch.inf, norm, 0.0)
 
 
 def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.Tensor, options: KDLossOptions,
@@ -101,6 +125,8 @@ def token_terms(partials: TokenPartials, teacher: TeacherBuckets, weight: torch.
         if options.tail == "ghost":
             log_q_tail = partials.tail_sum.log() - sum_exp.log()
             log_p = torch.cat([log_p, teacher.log_p_tail[:, None]], -1)       # [c, K + 1]
+            if partials.unit_tail_sum is not None:
+                log_p = _tempered_ghost_buckets(log_p, partials, tau)
             log_q = torch.cat([log_q, log_q_tail[:, None]], -1)
             present = torch.cat([present, teacher.tail_present[:, None]], -1)
     f = bucket_divergence(log_p, log_q, present, options.divergence, options.jsd_beta) + teacher.value_offset

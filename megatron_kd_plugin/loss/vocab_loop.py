@@ -1,7 +1,7 @@
 """The chunk loop over tokens shared by the fused and forward-chunked formulations.
 
 Each chunk: raw logits r [c, V/tp] (from X_c W^T or from stored logits) -> MAX all-reduce of the row max ->
-one SUM all-reduce of [E_tail, g (K), r_y, S1] -> ``token_terms`` -> optionally the logits gradient, handed to
+one SUM all-reduce of [E_tail, g (K), r_y, S1, S1_tail] -> ``token_terms`` -> optionally the logits gradient, handed to
 ``on_grad``. Recompute mode keeps the per-token coefficients instead and rebuilds the gradient in ``backward_pass``.
 A per-token pass (``PerToken``) returns each token's KD and CE values instead of weighted sums, and keeps the two
 terms' coefficients apart, so that backward can scale each term of each token by its own incoming gradient.
@@ -62,7 +62,6 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
     are the KD term's (alpha = 1) and the CE term's (alpha = 0) apart."""
     options = plan.options
     num_tokens, k = batch.local_ids.shape
-    with_full = plan.with_labels and options.temperature != 1.0
     if per_token is not None and (on_grad is not None or not plan.with_labels):
         raise ValueError("a per-token pass needs labels and keeps coefficients (no gradient during forward)")
     kd_options = options if per_token is None else dataclasses.replace(options, alpha=1.0)
@@ -76,11 +75,12 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
     for rows in _chunks(plan, num_tokens, batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)                       # [c, V/tp] raw r
         row_max = all_reduce_max_(chunk.local_max(), plan.shard)             # [c] M
-        packed = all_reduce_sum_(chunk.partial_sums(row_max), plan.shard)    # [c, 1 + K (+1) (+1)]
-        extra = packed[:, 1 + k:].unbind(-1)
+        packed = all_reduce_sum_(chunk.partial_sums(row_max), plan.shard)    # [c, 1 + K (+1) (+1) (+1)]
+        extra = iter(packed[:, 1 + k:].unbind(-1))
         partials = TokenPartials(support_logits=packed[:, 1:1 + k], row_max=row_max, tail_sum=packed[:, 0],
-                                 label_logit=extra[0] if plan.with_labels else None,
-                                 ce_sum_exp=extra[1] if with_full else None)
+                                 label_logit=next(extra) if plan.with_labels else None,
+                                 ce_sum_exp=next(extra) if plan.ce_needs_unit_softmax else None,
+                                 unit_tail_sum=next(extra) if plan.tail_needs_student_shape else None)
         weight, teacher = batch.weight[rows], batch.teacher.rows(rows)
         has_label = None if batch.has_label is None else batch.has_label[rows]
         terms = token_terms(partials, teacher, weight, kd_options, has_label)
