@@ -19,7 +19,7 @@ def test_a_heal_splits_its_own_keys_from_the_train_overrides_kept_in_order():
     assert (heal.lr, heal.steps, heal.samples, heal.store) == (1e-3, 300, 800, "sample64")
     assert heal.overrides == ("kd.alpha=1.0", "kd.tail=sampled")
     assert heal.name == "kd.alpha=1.0 lr=1e-3 steps=300 store=sample64 kd.tail=sampled samples=800"
-    assert "/" not in heal.folder and " " not in heal.folder
+    assert heal.folder == "kd.alpha_1.0__lr_1e-3__steps_300__store_sample64__kd.tail_sampled__samples_800"
     plain = Heal.parse("kd.alpha=0", STORES)
     assert (plain.lr, plain.steps, plain.samples, plain.store, plain.overrides) == (None, None, None, "topk",
                                                                                     ("kd.alpha=0",))

@@ -82,7 +82,9 @@ class Heal:
 
     @property
     def folder(self) -> str:
-        return re.sub(r"[^A-Za-z0-9.=_-]+", "_", self.name.replace(" ", "__"))
+        """The heal's run folder name: its words, joined by ``__``, ``=`` and anything unusual as ``_`` (Bridge's
+        overrides cannot hold a ``=`` in a path)."""
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name.replace(" ", "__"))
 
 
 def heal_config(demo_cfg, heal: Heal):

@@ -12,6 +12,7 @@ with ``setattr`` and the loss's options are frozen: a frozen section would silen
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.utils.common_utils import get_world_size_safe
@@ -19,7 +20,7 @@ from megatron.bridge.utils.common_utils import get_world_size_safe
 from megatron_kd_plugin.bridge.context_parallel import check_cp_seq_length
 from megatron_kd_plugin.bridge.forward_step import check_no_mtp
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
-from megatron_kd_plugin.loss.options import KDLossOptions
+from megatron_kd_plugin.loss.options import KDLossOptions, check_training_options
 
 _DEFAULTS = KDLossOptions()
 
@@ -104,7 +105,9 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
     KD step does not handle, are off. A cross-tokenizer student (``dataset.student_tokenizer``) needs a store with the
     cross-tokenizer arrays, its tokenizer inside model.vocab_size, and no context parallelism (the tail/mode check
-    does not apply; kd.token_weight > 0 needs a top-K store, and is refused for a same-tokenizer student).
+    does not apply; kd.token_weight > 0 needs a top-K store, and is refused for a same-tokenizer student). Then, for
+    a same-tokenizer student, ``check_training_options``: a refusal, or warnings (``UserWarning``, shown before step
+    one), for loss options measured to leave a student worse than it started.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -135,6 +138,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     if (mode == "sampled") != (cfg.kd.tail == "sampled"):
         raise ValueError(f"kd.tail={cfg.kd.tail!r} does not fit the {mode} store {cfg.dataset.cache_path}: a sampled "
                          "store needs kd.tail='sampled', and kd.tail='sampled' a store written with --sample N")
+    for warning in check_training_options(cfg.kd.options(), heal=cfg.checkpoint.pretrained_checkpoint is not None):
+        warnings.warn(warning)   # once per process, though the train command checks twice (here, then validate)
 
 
 def check_parallel_sizes_divide_world(model) -> None:
