@@ -34,7 +34,7 @@ def test_the_heal_command_is_the_demos_with_the_overrides_last(tmp_path):
     heal = Heal.parse("kd.alpha=1.0 lr=2e-3 steps=300", STORES)
     cfg = heal_config(demo, heal)
     assert (cfg.heal_steps, cfg.heal_lr, cfg.cache_samples) == (300, 2e-3, 300 * demo.micro_batch_size)
-    arguments = [*heal_arguments(cfg, tmp_path / "s", tmp_path / "c", tmp_path / "r", alpha=demo.kd_alpha),
+    arguments = [*heal_arguments(cfg, tmp_path / "s", tmp_path / "c", tmp_path / "r", alpha=demo.kd_alpha, lr=cfg.heal_lr),
                  *heal.overrides]
     for expected in ("train.train_iters=300", "optimizer.lr=0.002", "optimizer.min_lr=0.0002",
                      "scheduler.lr_warmup_iters=30"):

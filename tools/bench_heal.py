@@ -16,15 +16,15 @@ Each positional argument is one heal: space-separated words, each either
     store=NAME    ``topk`` (default: the demo's ``--topk K``) or a ``--store`` name
     KEY=VALUE     any train override (``kd.*``, ``optimizer.*``, ``train.*``, ...), appended after the demo's own
 
-The heal is the demo's (``pipeline.heal_arguments``: the demo's recipe, pruned student, seed, batch, schedule and
-``kd.alpha``) with these words applied, run as ``python -m megatron_kd_plugin train ...`` into
-``OUTPUT/runs/<heal>/``; its exported HF student is evaluated against the demo's teacher on the demo's held-out
-tokens (``pipeline.evaluate_folders``: perplexity, KL(teacher ‖ student) over the full vocabulary). ``--store
-NAME="ARGS"``: a store written by the package's cache command from the demo's teacher with ARGS in place of
-``--topk K`` (a top-p store keeps ``--topk K`` as its cap), one per number of samples, under ``OUTPUT/stores/``;
-the ``topk`` store of the demo's own samples is the demo's ``cache.zarr``. A heal whose result is in
-``OUTPUT/runs/<heal>/result.json`` is not run again. A heal the train command refuses, or that fails, is a row
-saying so; a warning the train command printed before step one is shown under the table.
+The heal is the demo's KD heal (``pipeline.heal_arguments``: the demo's recipe, pruned student, seed, batch,
+schedule, ``kd.alpha`` and ``kd.tail``, from the folder's ``config.json``) with these words applied, run as ``python
+-m megatron_kd_plugin train ...`` into ``OUTPUT/runs/<heal>/``; its exported HF student is evaluated against the
+demo's teacher on the demo's held-out tokens (``pipeline.evaluate_folders``: perplexity, KL(teacher ‖ student) over
+the full vocabulary). ``--store NAME="ARGS"``: a store written by the package's cache command from the demo's
+teacher with ARGS in place of ``--topk K`` (a top-p store keeps ``--topk K`` as its cap), one per number of samples,
+under ``OUTPUT/stores/``; the ``topk`` store of the demo's own samples is the demo's ``cache.zarr``. A heal whose
+result is in ``OUTPUT/runs/<heal>/result.json`` is not run again. A heal the train command refuses, or that fails,
+is a row saying so; a warning the train command printed before step one is shown under the table.
 
 Columns: bytes per token of the store on disk (as ``python -m megatron_kd_plugin inspect STORE`` counts them), held-out
 perplexity and KL, and the share of what pruning cost that the heal won back: (pruned - healed) / (pruned -
@@ -154,7 +154,7 @@ def run_heal(demo: pathlib.Path, output: pathlib.Path, demo_cfg, corpus, heal: H
     row = dict(heal=heal.name, store=heal.store, samples=samples, bytes_per_token=bytes_per_token(store),
                steps=cfg.heal_steps, lr=cfg.heal_lr, threads=os.environ.get("OMP_NUM_THREADS", "unset"))
     command = package_command("train", *heal_arguments(cfg, demo / "student_pruned", store, run_dir,
-                                                         alpha=demo_cfg.kd_alpha), *heal.overrides)
+                                                         alpha=demo_cfg.kd_alpha, lr=cfg.heal_lr), *heal.overrides)
     log = run_dir / "train.log"
     start = time.perf_counter()
     try:
