@@ -11,7 +11,7 @@ import pytest
 from megatron_kd_plugin.demo.pipeline import PRESETS, cache_command, heal_arguments, won_back
 from tools.bench_heal import Heal, heal_config, table, warnings_before_step_one
 
-STORES = {"sample64": ["--sample", "64"], "topp0.9": ["--top-p", "0.9"]}
+STORES = {"sample64": ["--draws", "64"], "topp0.9": ["--top-p", "0.9"]}
 
 
 def test_a_heal_splits_its_own_keys_from_the_train_overrides_kept_in_order():
@@ -46,9 +46,9 @@ def test_the_heal_command_is_the_demos_with_the_overrides_last(tmp_path):
 def test_a_store_keeps_the_cap_of_a_top_p_selection_and_drops_it_for_draws(tmp_path):
     cfg, corpus = PRESETS["default"], type("Corpus", (), {"train_prefix": tmp_path / "train"})
     command = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr")
-    assert command[command.index("--topk") + 1] == str(cfg.topk) and "--sample" not in command
+    assert command[command.index("--topk") + 1] == str(cfg.topk) and "--draws" not in command
     sampled = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr", STORES["sample64"])
-    assert "--topk" not in sampled and sampled[sampled.index("--sample") + 1] == "64"
+    assert "--topk" not in sampled and sampled[sampled.index("--draws") + 1] == "64"
     top_p = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr", STORES["topp0.9"])
     assert top_p[top_p.index("--topk") + 1] == str(cfg.topk) and top_p[top_p.index("--top-p") + 1] == "0.9"
     assert command[command.index("--num-samples") + 1] == str(cfg.cache_samples)

@@ -3,9 +3,9 @@ train command, and every healed student evaluated by the demo's own metrics; one
 
     python -m megatron_kd_plugin demo --seed 7 --output outputs/demo_7          # once per seed
     python tools/bench_heal.py outputs/demo_7 --output bench_results/heal_7 \\
-        --store sample64="--sample 64" --store topp0.9="--top-p 0.9" \\
+        --store draws64="--draws 64" --store topp0.9="--top-p 0.9" \\
         "kd.alpha=0" "kd.alpha=0 lr=1e-3" "kd.alpha=1.0 lr=1e-3" "kd.alpha=1.0 lr=1e-3 steps=300" \\
-        "kd.alpha=1.0 store=sample64 kd.tail=sampled" "kd.alpha=1.0 store=topp0.9"
+        "kd.alpha=1.0 store=draws64 kd.tail=sampled" "kd.alpha=1.0 store=topp0.9"
 
 Each positional argument is one heal: space-separated words, each either
 
