@@ -202,8 +202,8 @@ def package_command(*args: str) -> list[str]:
 def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path,
                   selection: list[str] | None = None) -> list[str]:
     """The cache command writing ``cfg.cache_samples`` samples; ``selection``: what each token keeps (default
-    ``--topk cfg.topk``; e.g. ``--sample 64``, or ``--top-p 0.9``, capped by ``--topk cfg.topk``)."""
-    if selection is None or "--sample" not in selection and "--topk" not in selection:
+    ``--topk cfg.topk``; e.g. ``--draws 64``, or ``--top-p 0.9``, capped by ``--topk cfg.topk``)."""
+    if selection is None or "--draws" not in selection and "--topk" not in selection:
         selection = ["--topk", str(cfg.topk), *(selection or [])]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
             "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
