@@ -26,7 +26,7 @@ STAGE_IMPORTS = {
     "loss": ["torch", "triton", "numpy", "megatron_kd_plugin.loss", "megatron_kd_plugin.kernels"],
     "step": ["torch", "triton", "numpy", "megatron.core", "megatron.training.distillation.cached_logits_loss",
              "megatron_kd_plugin.loss", "megatron_kd_plugin.models.gpt", "megatron_kd_plugin.cpu_compat",
-             "megatron_kd_plugin.commands.plan", "tqdm"],
+             "megatron_kd_plugin.commands.plan"],
     "student": ["torch", "triton", "numpy", "megatron.core", "zarr", "numcodecs", "tqdm", "megatron_kd_plugin.cache",
                 "megatron_kd_plugin.bridge.dataset", "megatron_kd_plugin.bridge.forward_step",
                 "megatron_kd_plugin.cpu_compat"],
