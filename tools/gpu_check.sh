@@ -4,6 +4,7 @@
 #                                         (CPython $wheel_python, Linux x86_64) into tools/wheels/ (git-ignored)
 #   bash tools/gpu_check.sh               on the GPU machine, with tools/wheels/ carried beside the checkout
 #   bash tools/gpu_check.sh --preflight   the preflight alone (seconds)
+#   bash tools/gpu_check.sh --budget loss=3 [--budget ...]   a stage's budget in seconds (the rehearsal's cut)
 # The exact call on a lent machine (the device tool's run, what it carries, its timeout) is written once, in
 # CONTRIBUTING.md ("A lent GPU machine").
 #
@@ -35,8 +36,7 @@
 #   tests        what is left of 420 s, if >= 45: the kernel and Triton-loss tests, compiled
 # Preflight ~20 s + 395 s of stage budgets: under 7 minutes when no stage is cut (each gets 5 s more to die).
 # Without CUDA (the CPU rehearsal, tests/test_gpu_check.py) every stage runs at tiny shapes on CPU (the Triton
-# kernels interpreted): the same scripts and the same paths, figures meaningless. KD_GPU_BUDGETS="loss=3,..."
-# overrides budgets (the rehearsal's simulated cut).
+# kernels interpreted): the same scripts and the same paths, figures meaningless.
 #
 # $OUT (the device tool returns it; else bench_results/gpu_check-<UTC time>/) gets at most 6 files, no folders:
 # summary.md (read it first: the preflight, every figure line of every stage, each stage's end: ok / FAILED / CUT)
@@ -51,7 +51,6 @@ wheel_python=${KD_GPU_PYTHON_VERSION:-3.12}   # the lent machine's: Python 3.12.
 max_wheel_mib=40                              # the carry limit is 64 MiB with the checkout (~4 MiB)
 total_s=420
 declare -A budget_s=([correctness]=75 [loss]=150 [step]=110 [student]=60 [tests]=0)
-for item in ${KD_GPU_BUDGETS:+${KD_GPU_BUDGETS//,/ }}; do budget_s[${item%%=*}]=${item#*=}; done
 
 wheel_pins() {  # "name==version" of every wheel in the list
   sed -e 's/#.*//' -e 's/[[:space:]]//g' "$wheel_list" | grep -v '^$'
@@ -86,7 +85,16 @@ if [ "${1:-}" = "--download" ]; then
   exit 0
 fi
 preflight_only=false
-[ "${1:-}" = "--preflight" ] && preflight_only=true
+while [ $# -gt 0 ]; do
+  case $1 in
+    --preflight) preflight_only=true;;
+    --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|tests)=[0-9]+$ ]] ||
+                { echo "error: --budget takes STAGE=SECONDS (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
+              budget_s[${2%%=*}]=${2#*=}; shift;;
+    *) echo "error: unknown argument '$1' (--download, --preflight, --budget STAGE=SECONDS)"; exit 2;;
+  esac
+  shift
+done
 
 out=${OUT:-$repo/bench_results/gpu_check-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$out"

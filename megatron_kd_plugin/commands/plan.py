@@ -31,7 +31,7 @@ head_dim, G = query groups x head_dim, F the MLP width, all divided by TP (H onl
                                 product's, fc2's input: megatron's        fused bias-SwiGLU, fc2's input); GeLU
                                 fusions off, as on CPU); GeLU 2F          2F
   per sequence                  RoPE's cos and sin of Q and K: 4·s·hd     (fused RoPE: one shared table)
-  plus 4 B per head and token (the attention's fp32 log-sum-exp).
+  plus fp32 statistics: 4 B per head (the attention's log-sum-exp) and per norm row (rstd; QK norms: per head).
 
 Local layers on CPU: ``tests/test_memory_plan.py`` counts every tensor megatron-core saves and holds this table to
 it exactly; ``tools/bench_step.py`` holds the whole step to the measured peak (docs/memory.md). Transformer Engine's
@@ -129,7 +129,9 @@ def layer_bytes_per_token(layer: LayerShape, a: int, *, tp: int = 1, sequence_pa
     else:
         mlp = 2 * f
     elements = norms + 3 * q + 3 * g + (qk_norm if layer.qk_norm else 0) + mlp
-    return a * elements + 4 * layer.heads / tp
+    rows = 2 / (tp if sequence_parallel else 1) + (layer.heads + (layer.heads + layer.groups if layer.qk_norm else 0)
+                                                   ) / tp     # fp32: the log-sum-exp, each norm's rstd
+    return a * elements + 4 * rows
 
 
 def layer_bytes_per_sequence(layer: LayerShape, a: int, seq: int) -> float:
@@ -147,9 +149,9 @@ def outside_layers_bytes_per_token(layer: LayerShape, a: int, *, tp: int = 1, se
                                    loss_keeps_hidden: bool = True) -> float:
     """Kept outside the layers, per token: the token ids (8 B), the final norm's saved tensors and the hidden states
     the loss keeps."""
-    h = layer.hidden / (tp if sequence_parallel else 1)
+    split = tp if sequence_parallel else 1
     norm = 2 if layer.impl == "local" and not layer.fused_norm else 1
-    return 8 + a * h * (norm + (1 if loss_keeps_hidden else 0))
+    return 8 + a * layer.hidden / split * (norm + (1 if loss_keeps_hidden else 0)) + 4 / split
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
