@@ -1,5 +1,7 @@
-"""The memory planner (``python -m megatron_kd_plugin plan``) against Megatron-Bridge's estimator, on the long-context
-recipes and the published case (single process, no store, no model built)."""
+"""The memory planner (``python -m megatron_kd_plugin plan``): model state against Megatron-Bridge's estimator, the
+activation table against every tensor megatron-core's local layers save (one spawned process, ~30 s), the recipes'
+stated figures, margins and lengths, the published case, the refusals. The whole step against measured peaks:
+tools/bench_step.py (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ def test_model_state_is_bridges_and_activations_follow_the_layer_table(qwen3_con
     assert full.backward == pytest.approx(8 * tokens * (per_token + 2 * max(2 * f, q + 2 * g)))
 
 
-def _local_saved_bytes(seq, batch, qk_norm):
-    """One forward of tools/bench_step.py's student (2 layers, H=32, 4 heads of 16 = 64 > H, 2 groups, SwiGLU 48,
-    fp32, CPU): bytes of every distinct non-parameter storage saved for backward, by layer ("outside" the rest)."""
+def _local_saved_bytes(cases):
+    """For each (seq, batch, qk_norm): one forward of tools/bench_step.py's student (2 layers, H=32, 4 heads of 16 =
+    64 > H, 2 groups, SwiGLU 48, fp32, CPU): bytes of every distinct non-parameter storage saved for backward, by
+    layer ("outside": the rest)."""
     import types
 
     import torch
@@ -59,47 +62,54 @@ def _local_saved_bytes(seq, batch, qk_norm):
     from tools.bench_step import _build_student
 
     seed_model_parallel(0)
-    args = types.SimpleNamespace(layers=2, hidden=32, heads=4, groups=2, kv_channels=16, ffn=48, vocab=96,
-                                 qk_norm=qk_norm)
-    model = _build_student(args, seq, torch.float32)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    where, saved = ["outside"], {}
-    for index, layer in enumerate(model.decoder.layers):
-        layer.register_forward_pre_hook(lambda module, inputs, i=index: where.append(i))
-        layer.register_forward_hook(lambda module, inputs, output: where.pop())
+    results = []
+    for seq, batch, qk_norm in cases:
+        args = types.SimpleNamespace(layers=2, hidden=32, heads=4, groups=2, kv_channels=16, ffn=48, vocab=96,
+                                     qk_norm=qk_norm)
+        model = _build_student(args, seq, torch.float32)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        where, saved = ["outside"], {}
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), (where[-1], storage.nbytes()))
-        return tensor
+        def leave(module, inputs, output):
+            where.pop()
 
-    tokens = torch.randint(0, 96, (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(tokens, torch.arange(seq).expand(batch, seq), None,
-              output_processor=lambda hidden_states, **_: hidden_states.sum(), output_processor_context={})
-    totals = {}
-    for place, nbytes in saved.values():
-        totals[place] = totals.get(place, 0) + nbytes
-    return totals
+        for index, layer in enumerate(model.decoder.layers):
+            layer.register_forward_pre_hook(lambda module, inputs, i=index: where.append(i))
+            layer.register_forward_hook(leave)
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved.setdefault(storage.data_ptr(), (where[-1], storage.nbytes()))
+            return tensor
+
+        tokens = torch.randint(0, 96, (batch, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(tokens, torch.arange(seq).expand(batch, seq), None,
+                  output_processor=lambda hidden_states, **_: hidden_states.sum(), output_processor_context={})
+        totals = {}
+        for place, nbytes in saved.values():
+            totals[place] = totals.get(place, 0) + nbytes
+        results.append(totals)
+    return results
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["gqa", "gqa_qk_norm"])
-def test_local_layer_column_is_exactly_what_megatron_core_saves(qk_norm):
+def test_local_layer_column_is_exactly_what_megatron_core_saves():
     """The module docstring's local column (CPU: torch's composite RMSNorm) against a count of every tensor
-    megatron-core's local layers save for backward, at two shapes (s x b = 24 x 2 and 40 x 1): equal to the byte."""
+    megatron-core's local layers save for backward, with and without QK norms, at s x b = 24 x 2 and 40 x 1: equal to
+    the byte, per layer and outside the layers."""
     from megatron_kd_plugin.commands.plan import (LayerShape, layer_bytes_per_sequence, layer_bytes_per_token,
                                                   outside_layers_bytes_per_token)
     from tests.distributed import run_on_ranks
 
-    layer = LayerShape(hidden=32, heads=4, head_dim=16, groups=2, ffn=48, qk_norm=qk_norm, impl="local",
-                       fused_norm=False)
-    for seq, batch in ((24, 2), (40, 1)):
-        measured = run_on_ranks(1, _local_saved_bytes, seq, batch, qk_norm)[0]
+    cases = [(seq, batch, qk_norm) for qk_norm in (False, True) for seq, batch in ((24, 2), (40, 1))]
+    for (seq, batch, qk_norm), measured in zip(cases, run_on_ranks(1, _local_saved_bytes, cases)[0]):
+        layer = LayerShape(hidden=32, heads=4, head_dim=16, groups=2, ffn=48, qk_norm=qk_norm, impl="local",
+                           fused_norm=False)
         tokens = seq * batch
         for index in (0, 1):
             assert measured[index] == tokens * layer_bytes_per_token(layer, 4) + layer_bytes_per_sequence(
-                layer, 4, seq), (seq, batch, index, measured)
+                layer, 4, seq), (seq, batch, qk_norm, index, measured)
         assert measured["outside"] == tokens * outside_layers_bytes_per_token(layer, 4, loss_keeps_hidden=False)
 
 

@@ -147,8 +147,11 @@ export PYTHONPATH=$site:$repo${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 cd "$repo" || exit 3
-"$py" tools/gpu_preflight.py --site "$site" --wheel-list "$wheel_list" 2>&1 | tee -a "$summary"
-[ "${PIPESTATUS[0]}" -eq 0 ] || fail 3 "preflight failed (above)"
+"$py" tools/gpu_preflight.py --site "$site" --wheel-list "$wheel_list" 2> "$site/preflight.err" | tee -a "$summary"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then   # its own findings are above; an unexpected error's words are in stderr
+  tail -n 5 "$site/preflight.err" | tee -a "$summary"
+  fail 3 "preflight failed (above)"
+fi
 cuda=false
 grep -q '^device: cuda' "$summary" && cuda=true
 carried=$(du -sk --exclude=.git --exclude=.venv --exclude=bench_results "$repo" | cut -f1)
