@@ -195,8 +195,8 @@ if $cuda; then
   tests=(tests/test_kernels.py tests/test_loss_triton.py)
 else
   say "no CUDA: a CPU rehearsal, every stage at tiny shapes (Triton interpreted); figures meaningless"
-  run_stage correctness env TRITON_INTERPRET=1 "$py" tools/gpu_loss_check.py --device cpu --vocab 389 --hidden 16 \
-    --tokens 37 --k 8 --chunk-tokens 0,2
+  run_stage correctness env TRITON_INTERPRET=1 "$py" tools/gpu_loss_check.py --device cpu --vocab 200 --hidden 16 \
+    --tokens 11 --k 8 --chunk-tokens 0,3
   run_stage loss env TRITON_INTERPRET=1 "$py" tools/bench_loss_gpu.py --cpu-smoke
   run_stage step "$py" tools/bench_step.py --device cpu --hidden 32 --vocab 512 --heads 4 --groups 2 --ffn 64 \
     --seq-lengths 64 --k 8 --one-process --variants fused_grad_in_forward,fused_recompute,forward_chunked,dense
@@ -204,11 +204,11 @@ else
   tests=(--collect-only tests/test_kernels.py tests/test_loss_triton.py)
 fi
 left=$((total_s - $(elapsed)))
-[ "${budget_s[tests]}" -gt 0 ] || budget_s[tests]=$left
-if [ "${budget_s[tests]}" -ge 45 ]; then
-  run_stage tests "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+if [ "${budget_s[tests]}" -eq 0 ] && [ "$left" -lt 45 ]; then   # not set by --budget, and too little left
+  say "" && say "== stage tests not run: $left s left of $total_s"
 else
-  say "" && say "== stage tests not run: ${budget_s[tests]} s left of $total_s"
+  [ "${budget_s[tests]}" -gt 0 ] || budget_s[tests]=$left
+  run_stage tests "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 fi
 say ""
 say "== done in $(elapsed) s; results in $out${failed[*]:+; not ok: ${failed[*]}}"

@@ -115,8 +115,9 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
     dataset = TopKCacheDataset(reader, np.arange(samples), seq_length=seq, num_rows=rows, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch)
     data_iterator = iter(loader)
+    # what kd_forward_step reads of Bridge's state (bridge/config.py's KDConfig needs Bridge, absent on the GPU machine)
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(
-        kd=types.SimpleNamespace(options=KDLossOptions), rerun_state_machine=types.SimpleNamespace(
+        kd=types.SimpleNamespace(options=KDLossOptions, token_weight=0.0), rerun_state_machine=types.SimpleNamespace(
             check_for_nan_in_loss=True)))
     step = functools.partial(kd_forward_step, state)
     forward_backward = get_forward_backward_func()
