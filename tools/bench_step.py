@@ -283,17 +283,17 @@ def _table(results: dict, args, seqs: list[int]) -> str:
         ref = {name: results.get((name, top), {}).get("peak", float("nan")) for name in ("dense", "megatron_peer")}
         ratio = lambda r: "-" if r != r or peaks[-1] != peaks[-1] else f"{peaks[-1] / r:.3f}"  # noqa: E731
         shown = [_gib(p) if p == p else (c or {}).get("error", "not run") for p, c in zip(peaks, cells)]
-        last = cells[-1]
+        seconds = (cells[-1] or {}).get("seconds", nan)
         lines.append(f"| {variant} | " + " | ".join(shown) + f" | {'-' if growth != growth else f'{growth:.1f}'} "
                      f"| {ratio(ref['dense'])} | {ratio(ref['megatron_peer'])} | "
-                     f"{'-' if not last or last.get('seconds', nan) != last.get('seconds', nan) else f'{last['seconds']:.1f}'} |")
+                     f"{'-' if seconds != seconds else f'{seconds:.1f}'} |")
     return "\n".join(lines)
 
 
 def _planner_check(results: dict, predicted: dict, seqs: list[int]) -> str:
     """Markdown: the planner's prediction / the measured peak per variant and T."""
-    lines = ["", "", "Planner (`python -m megatron_kd_plugin plan`'s formulas at this shape, local layers, no optimizer)"
-             " / measured:", "", "| variant | " + " | ".join(f"s={s:,}" for s in seqs) + " |",
+    lines = ["", "", "Planner (`python -m megatron_kd_plugin plan`'s formulas at this shape, local layers, no "
+             "optimizer) / measured:", "", "| variant | " + " | ".join(f"s={s:,}" for s in seqs) + " |",
              "|---|" + "---:|" * len(seqs)]
     for variant in [v for v in VARIANTS if any((v, s) in results for s in seqs)]:
         cells = []
@@ -356,7 +356,8 @@ def main(argv=None) -> None:
         if args.threads:
             torch.set_num_threads(args.threads)
         _init_single_process(torch.device(args.device))
-    print("| step | variant | s | peak | planner | planner / peak | time |\n|---|---|---|---:|---:|---:|---:|", flush=True)
+    print("| step | variant | s | peak | planner | planner / peak | time |\n|---|---|---|---:|---:|---:|---:|",
+          flush=True)
     started, results, failed = time.monotonic(), {}, set()
     for seq in seqs:
         for variant in variants:
@@ -373,7 +374,8 @@ def main(argv=None) -> None:
     params = next((r["params"] for r in results.values() if r.get("params")), 0)
     header = (f"Whole KD step (student forward + loss + backward) peak GiB above the pre-model baseline, "
               f"{args.device}: {args.layers}-layer GPTModel H={args.hidden} ({args.heads} heads of "
-              f"{args.kv_channels or args.hidden // args.heads}, {args.groups} groups{', QK norm' if args.qk_norm else ''}"
+              f"{args.kv_channels or args.hidden // args.heads}, {args.groups} groups"
+              f"{', QK norm' if args.qk_norm else ''}"
               f", SwiGLU {args.ffn}), V={args.vocab:,} (V/H = {args.vocab / args.hidden:.0f}), "
               f"{params / 1e6:.1f} M parameters, K={args.k}, b={args.micro_batch}, "
               f"{'bf16' if args.device == 'cuda' else 'fp32'}; {os.cpu_count()} cores, torch threads "

@@ -81,7 +81,8 @@ if [ "${1:-}" = "--download" ]; then
   bytes=$(cat "${files[@]}" | wc -c)
   echo "== ${#files[@]} wheels for CPython $wheel_python, $(awk "BEGIN {printf \"%.1f\", $bytes / 2^20}") MiB in all" \
        "($wheels; the limit is $max_wheel_mib MiB)"
-  [ "$bytes" -lt $((max_wheel_mib * 1024 * 1024)) ] || { echo "error: the wheel set exceeds $max_wheel_mib MiB"; exit 3; }
+  [ "$bytes" -lt $((max_wheel_mib * 1024 * 1024)) ] ||
+    { echo "error: the wheel set exceeds $max_wheel_mib MiB"; exit 3; }
   exit 0
 fi
 preflight_only=false
@@ -121,21 +122,25 @@ else
     if has_torch "$path"; then py=$path; break; fi
     rejected+=("$path")
   done
-  [ -n "$py" ] || fail 2 "no Python >= 3.12 holding torch, triton and numpy on PATH (tried ${rejected[*]:-none}); set KD_PYTHON"
+  [ -n "$py" ] ||
+    fail 2 "no Python >= 3.12 holding torch, triton and numpy on PATH (tried ${rejected[*]:-none}); set KD_PYTHON"
 fi
 pytag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 say "preflight: $py ($pytag) holds torch, triton and numpy${rejected:+; passed over (no torch): ${rejected[*]}}"
 
 absent=()
 for pin in $(wheel_pins); do wheel_file "$pin" >/dev/null || absent+=("$pin"); done
-[ ${#absent[@]} -eq 0 ] || fail 3 "$wheels lacks ${#absent[@]} of the $(wheel_pins | wc -l) wheels of tools/gpu_wheels.txt (${absent[*]}): run 'bash tools/gpu_check.sh --download' where the package index is reachable, then carry tools/wheels with the checkout (CONTRIBUTING.md, 'A lent GPU machine')"
+carry="run 'bash tools/gpu_check.sh --download' where the package index is reachable, then carry tools/wheels"
+[ ${#absent[@]} -eq 0 ] || fail 3 "$wheels lacks ${#absent[@]} of the $(wheel_pins | wc -l) wheels of \
+tools/gpu_wheels.txt (${absent[*]}): $carry with the checkout (CONTRIBUTING.md, 'A lent GPU machine')"
 files=()
 for pin in $(wheel_pins); do files+=("$(wheel_file "$pin")"); done
 for file in "${files[@]}"; do   # name-version-python-abi-platform.whl: a binary wheel names one interpreter
   IFS=- read -r -a parts <<< "$(basename "$file" .whl)"
   abi=${parts[-2]} python_tag=${parts[-3]}
   [ "$abi" = none ] || [ "$abi" = abi3 ] || [ "$python_tag" = "$pytag" ] ||
-    fail 3 "$(basename "$file") is for $python_tag, $py is $pytag: run 'KD_GPU_PYTHON_VERSION=${pytag:2:1}.${pytag:3} bash tools/gpu_check.sh --download'"
+    fail 3 "$(basename "$file") is for $python_tag, $py is $pytag: run \
+'KD_GPU_PYTHON_VERSION=${pytag:2:1}.${pytag:3} bash tools/gpu_check.sh --download'"
 done
 
 site=${KD_GPU_SITE:-$(mktemp -d "${TMPDIR:-/tmp}/kd_gpu_site.XXXXXX")}

@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         print(f"result: peak GPU memory during training {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
     first, last = np.mean(losses[:2]), np.mean(losses[-2:])
-    print(f"result: kd loss first two {first:.5f} -> last two {last:.5f} ({'falls' if last < first else 'DOES NOT FALL'})")
+    print(f"result: kd loss first two {first:.5f} -> last two {last:.5f} "
+          f"({'falls' if last < first else 'DOES NOT FALL'})")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0 if np.isfinite(losses).all() and last < first else 1
