@@ -213,7 +213,8 @@ if [ "${budget_s[tests]}" -eq 0 ] && [ "$left" -lt 45 ]; then   # not set by --b
   say "" && say "== stage tests not run: $left s left of $total_s"
 else
   [ "${budget_s[tests]}" -gt 0 ] || budget_s[tests]=$left
-  run_stage tests "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+  # the machine's own pytest plugins (xdist, cov, benchmark, ...) are built for its pytest, not the carried one
+  run_stage tests env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 fi
 say ""
 say "== done in $(elapsed) s; results in $out${failed[*]:+; not ok: ${failed[*]}}"
