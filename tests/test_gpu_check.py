@@ -13,7 +13,7 @@ import), once with the stand-in first on PATH and once behind a ``python3.12`` t
 script failed both: it made a venv from the lent venv (which sees the base interpreter's site-packages: no torch)
 and tried ``python3.12`` before ``python3``.
 
-Opt-in (~4 min): the whole check on CPU, every stage at tiny shapes, one stage cut by a simulated budget:
+Opt-in (~2.5 min): the whole check on CPU, every stage at tiny shapes, one stage cut by a simulated budget:
 
     KD_GPU_REHEARSAL=1 PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_gpu_check.py -k rehearsal -s
 """
@@ -204,7 +204,7 @@ def test_preflight_on_a_python_that_is_a_venv(lent_machine, tmp_path):
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["summary.md"]
 
 
-@pytest.mark.skipif(not os.environ.get("KD_GPU_REHEARSAL"), reason="the CPU rehearsal (~4 min): KD_GPU_REHEARSAL=1")
+@pytest.mark.skipif(not os.environ.get("KD_GPU_REHEARSAL"), reason="the CPU rehearsal (~2.5 min): KD_GPU_REHEARSAL=1")
 def test_rehearsal_on_a_bare_machine(lent_machine, tmp_path):
     """The whole check as the lent machine runs it, on CPU: every stage starts, prints its figures and ends ok, except
     the last one, cut by a simulated budget of 1 s, which is named CUT while the run still ends with its summary;
