@@ -1,51 +1,56 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for one lent H200 without network: every figure back in under 8 minutes.
-#   bash tools/gpu_check.sh --download   # on a machine with the package index: fetch tools/gpu_wheels.txt's wheels
-#                                        # into tools/wheels/ (ignored by git) and check they stay under 60 MiB
-#   bash tools/gpu_check.sh              # on the GPU machine (with tools/wheels/ carried in the checkout)
+# The prepared GPU check, for one lent H200 (no network; its python3 is itself a venv holding torch): ~7 minutes.
+#   bash tools/gpu_check.sh --download    where the package index is reachable: fetch tools/gpu_wheels.txt's wheels
+#                                         (CPython $wheel_python, Linux x86_64) into tools/wheels/ (git-ignored)
+#   bash tools/gpu_check.sh               on the GPU machine, with tools/wheels/ carried beside the checkout
+#   bash tools/gpu_check.sh --preflight   the preflight alone (seconds)
+#   bash tools/gpu_check.sh --budget loss=3 [--budget ...]   a stage's budget in seconds (the rehearsal's cut)
+# The exact call on a lent machine (the device tool's run, what it carries, its timeout) is written once, in
+# CONTRIBUTING.md ("A lent GPU machine").
 #
-# The GPU machine has torch (a CUDA build), triton, numpy and transformers, but no megatron-core, zarr or TE and no
-# network. So, before anything runs:
-#   preflight: a Python >= 3.12 ($KD_PYTHON, python3.12, python3) with torch, triton and numpy FROM THE MACHINE
-#     (they are not in the wheel set); every wheel of tools/gpu_wheels.txt present in tools/wheels/; missing
-#     anything: refuse at once, naming it. Then a venv made with --system-site-packages ($KD_GPU_VENV, default
-#     .gpu-venv; never the system Python) gets the wheels offline (pip --no-index), and every stage's imports are
-#     checked.
-# Stages (budget = its own timeout; expected GPU time in brackets, estimated: no GPU has run this yet):
-#   kernels  80 s [~60 s: Triton compiles + autotunes twice per kernel, one gloo TP=2 spawn]: the kernel and
-#            Triton fused-loss tests on the GPU (compiled, no interpreter; bf16 GEMMs, fp32 dX/dW);
-#   student  80 s [~40 s: a 4-layer teacher writes a 64-sample cache, 30 student iterations]: a KD student trained
-#            under megatron-core's schedule (tools/gpu_student_check.py: local layers, bf16, DDP + distributed
-#            optimizer; loss must fall); its loss curve;
-#   step    130 s [~100 s: 6 variants x 3 lengths, one process each; no child starts after 100 s]: the whole KD step's peak memory, megatron-core
-#            student at gpt-oss H and V, fused vs the megatron-core peer (tools/bench_step.py);
-#   loss    what is left of 440 s, at least 80 s [~100 s; runs it cannot afford are reported as such]: the loss head at gpt-oss shapes (H=2880, V=201,088 and V/8):
-#            ms and peak vs the analytic floor, Dense / Forward-chunked / Fused PyTorch / Fused Triton, and Triton
-#            vs PyTorch kernels (tools/bench_loss_gpu.py).
-#   Preflight + install ~30 s (32 s measured in the CPU rehearsal); whole run 440 s (7 min 20 s) when no stage is
-#   cut, at most ~450 s when every stage hits its timeout (each gets 10 s to die): under 8 minutes with margin.
-# Without CUDA (the CPU rehearsal, tests/test_gpu_check.py) each stage reports "no CUDA" and runs its CPU smoke
-# instead (kernels: collection only), so every stage still starts.
+# Preflight (seconds; any failure is one line naming what is missing, exit 2 or 3):
+#   - the interpreter: $KD_PYTHON, else the first of python3, python3.12, python that is >= 3.12 AND holds torch,
+#     triton and numpy (the machine's CUDA build; never carried);
+#   - every wheel of tools/gpu_wheels.txt present in tools/wheels/ ($KD_GPU_WHEELS), built for that interpreter;
+#   - the wheels installed offline with `pip install --no-deps --target` into a fresh folder ($KD_GPU_SITE, default
+#     a mktemp folder) put first on PYTHONPATH. No venv: a venv made from a venv sees the base interpreter's
+#     site-packages, not the parent venv's (the lent python3 is /opt/torch/.venv/bin/python3), so it would lose
+#     torch; --target + PYTHONPATH keeps the interpreter and its site-packages as they are, puts the carried
+#     versions ahead of the machine's (typing-extensions for zarr), and reaches child processes (bench_step's);
+#   - tools/gpu_preflight.py with that environment: every version the stages need (torch, triton, numpy from the
+#     machine at their floors; each carried distribution at its pin and every requirement of theirs met), every
+#     stage's imports, the device.
+# Stages, in the order of their value, each under its own budget (s; the GPU time each is planned for in brackets);
+# each writes its figures to its log and to the summary as they come, so a stage cut by its budget is named with
+# what it finished, and the next one starts:
+#   correctness  75 [~40]: the Triton fused loss vs the PyTorch fused loss vs float64 at V = 201,088, bf16 and
+#                          fp32, both modes, one split of many tiles and many splits (tools/gpu_loss_check.py)
+#   loss        150 [~110]: the loss head at H = 2,880, V = 201,088, T = 8K / 32K / 128K, grad_in_forward and
+#                          recompute: median / min / max ms of 5 reps, TFLOP/s (6·T·H·V) and the ratio to a measured
+#                          bf16 GEMM of the same shape (tools/bench_loss_gpu.py)
+#   step        110 [~70]: the whole KD step at V = 201,088, 32K tokens, one process, fused first, then
+#                          forward-chunked, Dense, the megatron-core peer (out of memory is a result); each peak next
+#                          to the planner's (tools/bench_step.py)
+#   student      60 [~40]: a megatron-core student trained by KD under megatron-core's schedule
+#                          (tools/gpu_student_check.py)
+#   tests        what is left of 420 s, if >= 45: the kernel and Triton-loss tests, compiled
+# Preflight ~20 s + 395 s of stage budgets: under 7 minutes when no stage is cut (each gets 5 s more to die).
+# Without CUDA (the CPU rehearsal, tests/test_gpu_check.py) every stage runs at tiny shapes on CPU (the Triton
+# kernels interpreted): the same scripts and the same paths, figures meaningless.
 #
-# Results go to $OUT when set (the device runner returns it), else bench_results/gpu_check-<UTC time>/: log.txt (all
-# output), <stage>.log, loss_gpu.md, step_gpu.md, and summary.md: every figure line of every stage, appended as it
-# is printed, and each stage's end (ok / FAILED / CUT at its timeout), so a cut run still returns its numbers.
-# Exit status: 0 all stages ok, 1 a stage failed or was cut (never 124: that is the whole command's timeout),
-# 2 no Python, 3 something missing (named).
+# $OUT (the device tool returns it; else bench_results/gpu_check-<UTC time>/) gets at most 6 files, no folders:
+# summary.md (read it first: the preflight, every figure line of every stage, each stage's end: ok / FAILED / CUT)
+# and one <stage>.log per stage. Exit status: 0 every stage ok; 1 a stage failed or was cut (never 124: that is the
+# whole command's timeout); 2 no usable Python; 3 something missing (named).
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-wheels=${KD_GPU_WHEELS:-$repo/tools/wheels}   # the tests point it elsewhere
+wheels=${KD_GPU_WHEELS:-$repo/tools/wheels}
 wheel_list=$repo/tools/gpu_wheels.txt
-from_machine=(torch triton numpy)   # never in the wheel set (nor what they need): the GPU machine's CUDA build
-max_wheel_mib=60
-total_s=440                        # preflight (~30 s) + the stages' budgets add up to this (see the table above)
-declare -A budget_s=([kernels]=80 [student]=80 [step]=130 [loss]=80)   # loss: at least this
-# Modules each stage imports (beyond the repository and the standard library); checked after the install.
-declare -A stage_imports=([kernels]="torch triton numpy pytest megatron.core"
-                          [student]="torch triton numpy megatron.core zarr numcodecs tqdm"
-                          [step]="torch triton numpy megatron.core tqdm"
-                          [loss]="torch triton numpy")
+wheel_python=${KD_GPU_PYTHON_VERSION:-3.12}   # the lent machine's: Python 3.12.3 (the device notes, KINDS.md)
+max_wheel_mib=40                              # the carry limit is 64 MiB with the checkout (~4 MiB)
+total_s=420
+declare -A budget_s=([correctness]=75 [loss]=150 [step]=110 [student]=60 [tests]=0)
 
 wheel_pins() {  # "name==version" of every wheel in the list
   sed -e 's/#.*//' -e 's/[[:space:]]//g' "$wheel_list" | grep -v '^$'
@@ -63,132 +68,154 @@ wheel_file() {  # the file in $wheels for one "name==version" (names normalised 
 if [ "${1:-}" = "--download" ]; then
   mkdir -p "$wheels"
   py=${KD_PYTHON:-python3}
-  "$py" -m pip download --no-deps --only-binary=:all: --implementation cp --python-version 3.12 --abi cp312 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$wheels" -r "$wheel_list" || exit 3
+  tag=cp${wheel_python//./}
+  "$py" -m pip download --no-deps --only-binary=:all: --implementation cp --python-version "$wheel_python" \
+    --abi "$tag" --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    --platform any -d "$wheels" -r "$wheel_list" || exit 3
   files=()
   for pin in $(wheel_pins); do
     file=$(wheel_file "$pin") || { echo "error: no wheel for $pin in $wheels after the download"; exit 3; }
     files+=("$file")
   done
   bytes=$(cat "${files[@]}" | wc -c)
-  echo "== ${#files[@]} wheels, $((bytes / 1024)) KiB in all ($wheels); the limit is $max_wheel_mib MiB"
-  [ "$bytes" -lt $((max_wheel_mib * 1024 * 1024)) ] || { echo "error: the wheel set exceeds $max_wheel_mib MiB"; exit 3; }
+  echo "== ${#files[@]} wheels for CPython $wheel_python, $(awk "BEGIN {printf \"%.1f\", $bytes / 2^20}") MiB in all" \
+       "($wheels; the limit is $max_wheel_mib MiB)"
+  [ "$bytes" -lt $((max_wheel_mib * 1024 * 1024)) ] ||
+    { echo "error: the wheel set exceeds $max_wheel_mib MiB"; exit 3; }
   exit 0
 fi
+preflight_only=false
+while [ $# -gt 0 ]; do
+  case $1 in
+    --preflight) preflight_only=true;;
+    --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|tests)=[0-9]+$ ]] ||
+                { echo "error: --budget takes STAGE=SECONDS (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
+              budget_s[${2%%=*}]=${2#*=}; shift;;
+    *) echo "error: unknown argument '$1' (--download, --preflight, --budget STAGE=SECONDS)"; exit 2;;
+  esac
+  shift
+done
 
 out=${OUT:-$repo/bench_results/gpu_check-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$out"
 summary=$out/summary.md
-exec > >(tee -a "$out/log.txt") 2>&1
 started=$(date +%s)
 elapsed() { echo $(($(date +%s) - started)); }
+say() { printf '%s\n' "$*" | tee -a "$summary"; }
+fail() { say "error: $2"; exit "$1"; }
+{ echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo; } > "$summary"
 
-# ---- preflight: refuse at once, naming what is missing -------------------------------------------------------
-echo "== preflight: torch, triton and numpy come from the machine (not from tools/wheels); the rest from $wheels"
+# ---- preflight ------------------------------------------------------------------------------------------------
+has_torch() {  # a Python >= 3.12 that finds torch, triton and numpy
+  "$1" -c 'import importlib.util as u, sys
+sys.exit(sys.version_info < (3, 12) or any(u.find_spec(m) is None for m in ("torch", "triton", "numpy")))' 2>/dev/null
+}
 py=
-for candidate in "${KD_PYTHON:-}" python3.12 python3; do
-  [ -n "$candidate" ] && candidate=$(command -v "$candidate" 2>/dev/null) || continue
-  if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then py=$candidate; break; fi
-done
-[ -n "$py" ] || { echo "error: no Python >= 3.12 found (set KD_PYTHON to one)"; exit 2; }
-missing=$("$py" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
-  "${from_machine[@]}")
-[ -z "$missing" ] || { echo "error: $py lacks $missing, which the GPU machine must provide (not carried as wheels)"; exit 3; }
+if [ -n "${KD_PYTHON:-}" ]; then
+  py=$(command -v "$KD_PYTHON") && has_torch "$py" ||
+    fail 2 "KD_PYTHON=$KD_PYTHON is not a Python >= 3.12 holding torch, triton and numpy"
+else
+  rejected=()
+  for candidate in python3 python3.12 python; do
+    path=$(command -v "$candidate" 2>/dev/null) || continue
+    if has_torch "$path"; then py=$path; break; fi
+    rejected+=("$path")
+  done
+  [ -n "$py" ] ||
+    fail 2 "no Python >= 3.12 holding torch, triton and numpy on PATH (tried ${rejected[*]:-none}); set KD_PYTHON"
+fi
+pytag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+say "preflight: $py ($pytag) holds torch, triton and numpy${rejected:+; passed over (no torch): ${rejected[*]}}"
+
 absent=()
 for pin in $(wheel_pins); do wheel_file "$pin" >/dev/null || absent+=("$pin"); done
-if [ ${#absent[@]} -gt 0 ]; then
-  echo "error: $wheels lacks the wheels ${absent[*]}; run 'bash tools/gpu_check.sh --download' where the package"
-  echo "index is reachable and carry tools/wheels/ with the checkout"; exit 3
-fi
-carried=$(du -sk --exclude=.git --exclude=.venv --exclude=.gpu-venv --exclude=bench_results "$repo" | cut -f1)
-echo "== python $py; wheels $(cat "$wheels"/*.whl | wc -c | awk '{printf "%.1f", $1 / 2^20}') MiB; checkout carried ${carried} KiB"
+carry="run 'bash tools/gpu_check.sh --download' where the package index is reachable, then carry tools/wheels"
+[ ${#absent[@]} -eq 0 ] || fail 3 "$wheels lacks ${#absent[@]} of the $(wheel_pins | wc -l) wheels of \
+tools/gpu_wheels.txt (${absent[*]}): $carry with the checkout (CONTRIBUTING.md, 'A lent GPU machine')"
+files=()
+for pin in $(wheel_pins); do files+=("$(wheel_file "$pin")"); done
+for file in "${files[@]}"; do   # name-version-python-abi-platform.whl: a binary wheel names one interpreter
+  IFS=- read -r -a parts <<< "$(basename "$file" .whl)"
+  abi=${parts[-2]} python_tag=${parts[-3]}
+  [ "$abi" = none ] || [ "$abi" = abi3 ] || [ "$python_tag" = "$pytag" ] ||
+    fail 3 "$(basename "$file") is for $python_tag, $py is $pytag: run \
+'KD_GPU_PYTHON_VERSION=${pytag:2:1}.${pytag:3} bash tools/gpu_check.sh --download'"
+done
 
-venv=${KD_GPU_VENV:-$repo/.gpu-venv}
-if [ ! -x "$venv/bin/python" ]; then
-  "$py" -m venv --system-site-packages "$venv" 2>/dev/null ||
-    { rm -rf "$venv"; "$py" -m venv --system-site-packages --without-pip "$venv"; } ||
-    { echo "error: $py -m venv --system-site-packages $venv failed"; exit 3; }
-fi
-vpy=$venv/bin/python
-pip=("$vpy" -m pip)
-"$vpy" -m pip --version >/dev/null 2>&1 || pip=("$py" -m pip --python "$vpy")   # a venv made without pip
-# --no-deps: the list is the whole closure (the import check below proves it); a resolver would also re-check the
-# machine's own torch requirements, which a CUDA image need not satisfy as pip sees them.
-# shellcheck disable=SC2046  # one argument per wheel file
-if ! "${pip[@]}" install -q --no-index --no-deps --disable-pip-version-check \
-    $(for pin in $(wheel_pins); do wheel_file "$pin"; done); then
-  echo "error: the wheels of $wheels do not install offline into $venv (pip names what is missing above)"; exit 3
-fi
-all_imports=$(printf '%s\n' "${stage_imports[@]}" | tr ' ' '\n' | sort -u | tr '\n' ' ')
-missing=$("$vpy" -c 'import importlib, sys
-bad = []
-for m in sys.argv[1:]:
-    try:
-        importlib.import_module(m)
-    except Exception as e:
-        bad.append(f"{m} ({type(e).__name__}: {e})")
-print("; ".join(bad))' $all_imports)
-[ -z "$missing" ] || { echo "error: after the install the stages cannot import: $missing"; exit 3; }
-cuda=$("$vpy" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")')
-versions=$("$vpy" -c 'import torch, triton, numpy; print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')
-echo "== $versions; ${cuda:-no CUDA}; preflight and install took $(elapsed) s"
-command -v nvidia-smi >/dev/null && [ -n "$cuda" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-{
-  echo "# GPU check summary, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo
-  echo "${cuda:-no CUDA (a CPU rehearsal: smoke runs, numbers meaningless)}; $versions; wheels from $wheels"
-  echo "Stages and budgets (s): kernels ${budget_s[kernels]}, student ${budget_s[student]}, step ${budget_s[step]}, loss the rest"
-} > "$summary"
-
-# ---- stages -------------------------------------------------------------------------------------------------
-export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+site=${KD_GPU_SITE:-$(mktemp -d "${TMPDIR:-/tmp}/kd_gpu_site.XXXXXX")}
+"$py" -m pip --version >/dev/null 2>&1 || fail 3 "$py has no pip: the wheels cannot be installed"
+"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+  --target "$site" "${files[@]}" 2>&1 | tail -n 5 | tee -a "$summary"
+[ "${PIPESTATUS[0]}" -eq 0 ] || fail 3 "the wheels of $wheels do not install offline into $site (pip's words above)"
+export PYTHONPATH=$site:$repo${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 cd "$repo" || exit 3
-failed=()
+"$py" tools/gpu_preflight.py --site "$site" --wheel-list "$wheel_list" 2> "$site/preflight.err" | tee -a "$summary"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then   # its own findings are above; an unexpected error's words are in stderr
+  tail -n 5 "$site/preflight.err" | tee -a "$summary"
+  fail 3 "preflight failed (above)"
+fi
+cuda=false
+grep -q '^device: cuda' "$summary" && cuda=true
+carried=$(du -sk --exclude=.git --exclude=.venv --exclude=bench_results "$repo" | cut -f1)
+say "preflight: done in $(elapsed) s; the checkout with its wheels is $((carried / 1024)) MiB (the carry limit: 64)"
+$preflight_only && exit 0
 
-run_stage() {  # run_stage NAME BUDGET_S CMD...: figure lines into the summary as they come; a cut stage is named
-  local name=$1 limit=$2 rc line begun
-  shift 2
+# ---- stages -------------------------------------------------------------------------------------------------
+failed=()
+run_stage() {  # run_stage NAME CMD...: figure lines ("| ..." and "result: ...") into the summary as they come
+  local name=$1 limit=${budget_s[$1]} log=$out/$1.log rc begun finished last
+  shift
   begun=$(date +%s)
-  echo "== stage $name (at $(elapsed) s, budget $limit s): $*"
-  printf '\n## %s (budget %s s)\n\n' "$name" "$limit" >> "$summary"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$out/$name.log" | while IFS= read -r line; do
+  say ""
+  say "## $name (at $(elapsed) s, budget $limit s)"
+  echo "\$ $*" > "$log"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log" | while IFS= read -r line; do
     printf '%s\n' "$line"
-    case $line in "|"*|"{"*|iteration*|"kd loss"*|peak*|teacher*|"no CUDA"*|*passed*|*failed*|*error*)
-      printf '%s\n' "$line" >> "$summary";; esac
+    case $line in "|"*|"result:"*) printf '%s\n' "$line" >> "$summary";; esac
   done
   rc=${PIPESTATUS[0]}
+  finished=$(grep -c -e '^|' -e '^result:' "$log")
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "== stage $name CUT: it hit its own $limit s timeout (the other stages go on)" | tee -a "$summary"
+    last=$(grep -e '^|' -e '^result:' "$log" | tail -n 1)
+    say "== stage $name CUT at its $limit s budget, after $finished figure lines${last:+ (the last: $last)}"
     failed+=("$name (cut at $limit s)")
   elif [ "$rc" -ne 0 ]; then
-    echo "== stage $name FAILED with status $rc after $(($(date +%s) - begun)) s" | tee -a "$summary"
+    say "== stage $name FAILED with status $rc after $(($(date +%s) - begun)) s ($name.log: $(tail -n 1 "$log"))"
     failed+=("$name (status $rc)")
   else
-    echo "== stage $name ok in $(($(date +%s) - begun)) s" | tee -a "$summary"
+    say "== stage $name ok in $(($(date +%s) - begun)) s"
   fi
 }
 
-if [ -n "$cuda" ]; then
-  run_stage kernels "${budget_s[kernels]}" "$vpy" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    tests/test_kernels_compile.py tests/test_loss_triton.py
-  run_stage student "${budget_s[student]}" "$vpy" tools/gpu_student_check.py
-  run_stage step "${budget_s[step]}" "$vpy" tools/bench_step.py --device cuda --hidden 2880 --vocab 201088 \
-    --heads 40 --groups 8 --ffn 2880 --seq-lengths 2048,8192,32768 --micro-batch 4 --budget-s 100 \
-    --out "$out/step_gpu.md"
-  left=$((total_s - $(elapsed)))
-  [ "$left" -ge "${budget_s[loss]}" ] || left=${budget_s[loss]}
-  run_stage loss "$left" "$vpy" tools/bench_loss_gpu.py --budget-s $((left - 40)) --out "$out/loss_gpu.md"
+if $cuda; then
+  run_stage correctness "$py" tools/gpu_loss_check.py
+  run_stage loss "$py" tools/bench_loss_gpu.py --budget-s $((budget_s[loss] - 25))
+  run_stage step "$py" tools/bench_step.py --device cuda --hidden 2880 --vocab 201088 --heads 40 --groups 8 \
+    --ffn 2880 --seq-lengths 32768 --micro-batch 1 --one-process --budget-s $((budget_s[step] - 25)) \
+    --variants fused_grad_in_forward,fused_recompute,forward_chunked,dense,megatron_peer
+  run_stage student "$py" tools/gpu_student_check.py
+  tests=(tests/test_kernels.py tests/test_loss_triton.py)
 else
-  echo "no CUDA: every stage runs its CPU smoke instead of the GPU run (numbers meaningless)" | tee -a "$summary"
-  run_stage kernels "${budget_s[kernels]}" "$vpy" -m pytest -q -p no:cacheprovider --collect-only \
-    tests/test_kernels.py tests/test_kernels_compile.py tests/test_loss_triton.py
-  run_stage student "${budget_s[student]}" "$vpy" tools/gpu_student_check.py --dry-run
-  run_stage step "${budget_s[step]}" "$vpy" tools/bench_step.py --device cpu --hidden 64 --vocab 512 --heads 4 \
-    --groups 2 --ffn 128 --seq-lengths 64 --micro-batch 1 --variants megatron_peer,fused_recompute \
-    --out "$out/step_gpu.md"
-  run_stage loss "${budget_s[loss]}" "$vpy" tools/bench_loss_gpu.py --cpu-smoke --out "$out/loss_gpu.md"
+  say "no CUDA: a CPU rehearsal, every stage at tiny shapes (Triton interpreted); figures meaningless"
+  run_stage correctness env TRITON_INTERPRET=1 "$py" tools/gpu_loss_check.py --device cpu --vocab 200 --hidden 16 \
+    --tokens 11 --k 8 --chunk-tokens 0,3
+  run_stage loss env TRITON_INTERPRET=1 "$py" tools/bench_loss_gpu.py --cpu-smoke
+  run_stage step "$py" tools/bench_step.py --device cpu --hidden 32 --vocab 512 --heads 4 --groups 2 --ffn 64 \
+    --seq-lengths 64 --k 8 --one-process --variants fused_grad_in_forward,fused_recompute,forward_chunked,dense
+  run_stage student "$py" tools/gpu_student_check.py --dry-run
+  tests=(--collect-only tests/test_kernels.py tests/test_loss_triton.py)
 fi
-echo "== done in $(elapsed) s; results in $out${failed[*]:+; not ok: ${failed[*]}}" | tee -a "$summary"
+left=$((total_s - $(elapsed)))
+if [ "${budget_s[tests]}" -eq 0 ] && [ "$left" -lt 45 ]; then   # not set by --budget, and too little left
+  say "" && say "== stage tests not run: $left s left of $total_s"
+else
+  [ "${budget_s[tests]}" -gt 0 ] || budget_s[tests]=$left
+  # the machine's own pytest plugins (xdist, cov, benchmark, ...) are built for its pytest, not the carried one
+  run_stage tests env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+fi
+say ""
+say "== done in $(elapsed) s; results in $out${failed[*]:+; not ok: ${failed[*]}}"
 [ ${#failed[@]} -eq 0 ]

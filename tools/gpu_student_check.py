@@ -114,6 +114,7 @@ def train_student(store: str, sizes, device, *, micro_batch: int = 4, num_microb
     dataset = KDRows(row_kind(reader, seq_length=seq), np.arange(samples), num_rows=rows, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch)
     data_iterator = iter(loader)
+    # what kd_forward_step reads of Bridge's state (bridge/config.py's KDConfig needs Bridge, absent on the GPU machine)
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(
         kd=KDLossOptions(), rerun_state_machine=types.SimpleNamespace(
             check_for_nan_in_loss=True)))
@@ -170,9 +171,10 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
         losses = train_student(store, sizes, device)
     if device.type == "cuda":
-        print(f"peak GPU memory during training: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+        print(f"result: peak GPU memory during training {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
     first, last = np.mean(losses[:2]), np.mean(losses[-2:])
-    print(f"kd loss: first two {first:.5f} -> last two {last:.5f} ({'falls' if last < first else 'DOES NOT FALL'})")
+    print(f"result: kd loss first two {first:.5f} -> last two {last:.5f} "
+          f"({'falls' if last < first else 'DOES NOT FALL'})")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0 if np.isfinite(losses).all() and last < first else 1

@@ -7,26 +7,59 @@
 The recipes take the student's architecture from its HF checkpoint (``--hf-path``: a folder, of which only
 config.json is read, or a hub id, fetched like the train command fetches it).
 
-Model state and activations come from Megatron-Bridge's own estimator
-(``megatron.bridge.training.utils.theoretical_memory_utils.estimate_training_memory``: parameters on the most
-loaded shard, 18 B/parameter of Adam state or 6 B + 12 B sharded with the distributed optimizer; activations by
-Korthikanti et al.'s Table 2 with selective recompute and sequence parallelism, divided by TP and CP). This module
-only splits that estimate into weights / gradients / optimizer, applies the recipe's recompute setting, and
-replaces the estimator's output-layer term (it assumes full fp32 logits) by the loss head of each formulation,
-for the T = s·b/cp tokens one rank's loss sees (V_p = padded V / tp, K teacher ids, c = the chunk budget):
+Model state comes from Megatron-Bridge's estimator (``estimate_training_memory``: parameters on the most loaded
+shard; 2 B weights + 4 B fp32 gradients + 12 B Adam state per parameter, the Adam state sharded with the
+distributed optimizer); this module splits it into weights / gradients / optimizer. Activations are counted here,
+per layer, from what megatron-core's layers save for their backward (Bridge's Korthikanti et al. formula,
+18·H + 4·F bytes per token at bf16, assumes a plain GPT layer: it misses the SwiGLU's doubled fc1, the wider query
+projection of Qwen3 (heads x head_dim > H), its QK norms, and the unfused norms of local layers; it was 0.56x the
+measured peak of the CPU benchmark's student).
 
-  fused            c + T·H·4 (dX) + V_p·H·4 (dW, fp32 like main_grad) + 8·T·K·4 (per-token state)
-  forward_chunked  2·T·V_p·4 (logits + their gradient) + dX + dW + 8·T·K·4
-  megatron_peer    T·V_p·3·4 (fp32 logits, exp, log-probs; fp32 measured: 12.0 B/logit) + with a = 2 B activations
-                   T·V_p·2·2 (the output layer's bf16 logits and their gradient) + T·H·a; dW goes to main_grad
-  dense            5·T·V·4 (the plugin's reference: logits, log q, the [T, V] teacher grid, gradients; measured
-                   20.8 B/logit) + dX + dW
+Per token and layer, in elements of the activation dtype (a = 2 B bf16, 4 B fp32), with H the width, Hq = heads x
+head_dim, G = query groups x head_dim, F the MLP width, all divided by TP (H only with sequence parallelism):
 
-plus the KD batch itself (T·K·(4 + 4): teacher ids and log-probs). Recompute: ``selective`` (and None, with the
-flash attention of Transformer Engine: no [s, s] scores are kept) use Bridge's per-layer figure;
-``full`` keeps one 2-byte [s/cp, b, H/tp] input per checkpointed group plus the recomputed group's own
-activations. A GPU "fits" when the total is at most 90% of its memory (the CUDA context, the allocator's
-fragmentation and kernel workspaces take the rest).
+  saved for backward            local layers (measured, CPU)             Transformer Engine (analytic)
+  norm + the linear after it    3H each: input, normalised, linear in;   2H each: input, normalised (fused
+   (twice)                      2H with a fused norm (LayerNorm; torch's  LayerNormLinear)
+                                RMSNorm on CUDA)
+  attention                     3Hq + 3G: the QKV projection's output (V, a view of it, keeps it), rotated Q
+                                and K, the core's output; no [s, s] scores (flash, SDPA or TE attention; megatron-
+                                core's local DotProductAttention would keep two [b, heads, s, s] and is not planned)
+  QK norm (Qwen3)               Hq: Q's copy (its norm's input); with the unfused norm also Q and K normalised
+                                (+ Hq + G)
+  MLP                           SwiGLU 5F (fc1's 2F, SiLU's, the gate     SwiGLU 3F (fc1's 2F for megatron's
+                                product's, fc2's input: megatron's        fused bias-SwiGLU, fc2's input); GeLU
+                                fusions off, as on CPU); GeLU 2F          2F
+  per sequence                  RoPE's cos and sin of Q and K: 4·s·hd     (fused RoPE: one shared table)
+  plus fp32 statistics: 4 B per head (the attention's log-sum-exp) and per norm row (rstd; QK norms: per head).
+
+Local layers on CPU: ``tests/test_memory_plan.py`` counts every tensor megatron-core saves and holds this table to
+it exactly; ``tools/bench_step.py`` holds the whole step to the measured peak (docs/memory.md). Transformer Engine's
+column is read off its code (``LayerNormLinear`` saves input and normalised output, its attention q, k, v, output
+and softmax statistics, megatron's fused bias-SwiGLU its input); no TE run checks it here.
+
+The step's peak, for one microbatch (x the microbatches in flight with PP):
+  activations       what the forward keeps for the backward: each layer's saved tensors above (recompute "full":
+                    one [s, b, H] input per checkpointed group instead; "selective" recomputes the core attention,
+                    which with flash attention keeps the same), the token ids (8 B), the final norm's saved input
+                    and the hidden states the loss keeps
+  backward          the largest working set of one layer's backward beyond that: the gradient of fc1's output (2F
+                    SwiGLU, F GeLU) or of the QKV projection (Hq + 2G), whichever is larger (measured: the CPU
+                    student's peak is its activations + [T, 2F]); under recompute "full" plus the recomputed
+                    group's saved tensors
+  loss head         the loss formulation's buffers, for the T = s·b/cp tokens of one rank (V_p = padded V / tp, K
+                    teacher ids, c = the chunk budget):
+    fused            c + T·H·4 (dX) + V_p·H·4 (dW, fp32 like main_grad) + 8·T·K·4 (per-token state)
+    forward_chunked  2·T·V_p·4 (logits + their gradient) + dX + dW + 8·T·K·4
+    megatron_peer    T·V_p·3·4 (fp32 logits, exp, log-probs; measured 12.0 B/logit) + with a = 2 B activations
+                     T·V_p·2·2 (the output layer's bf16 logits and their gradient) + T·H·a; dW goes to main_grad
+    dense            5.5·T·V·4 (the plugin's reference: logits, log q, the [T, V] teacher grid, gradients; measured
+                     22.0 B/logit) + dX + dW
+  total = weights + gradients + optimizer + activations + KD batch (T·K·(4 + 4): teacher ids and log-probs)
+          + max(loss head, backward): the loss's buffers are gone before the layers' backward starts.
+A GPU "fits" when the total is at most 90% of its memory (the CUDA context, the allocator's fragmentation and
+kernel workspaces take the rest). The layers are Transformer Engine's when planning for CUDA (the recipes' GPU
+spec) unless the config says ``transformer_impl="local"``, local on CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +67,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import re
 import sys
 
@@ -43,6 +77,7 @@ USABLE_FRACTION = 0.9
 DEFAULT_K = 64
 """Teacher ids per token when the config does not say (``dataset.k`` is None: read from the store)."""
 LOSS_HEADS = ("fused", "forward_chunked", "megatron_peer", "dense")
+LAYER_IMPLS = ("transformer_engine", "local")
 PUBLISHED_CASE = ("qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config",   # planned on one GPU
                   ["model.vocab_size=201088", "model.seq_length=32768", "dataset.seq_length=32768",
                    "train.micro_batch_size=4", "model.context_parallel_size=1", "model.tensor_model_parallel_size=1",
@@ -50,6 +85,73 @@ PUBLISHED_CASE = ("qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config",   # planned 
                    "model.recompute_num_layers=1"])
 """The published headline's shape (gpt-oss-120b's vocabulary 201,088; 32K x 4 tokens a microbatch) on one GPU, for a
 Qwen3-1.7B student with full recompute."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """What one transformer layer's saved activations depend on (full widths; TP divides them)."""
+
+    hidden: int
+    """H."""
+    heads: int
+    """Attention heads."""
+    head_dim: int
+    """kv_channels."""
+    groups: int
+    """Query groups (GQA; = heads without it)."""
+    ffn: int
+    """F, the MLP's inner width."""
+    gated: bool = True
+    """SwiGLU (fc1 makes 2F) rather than GeLU."""
+    qk_norm: bool = False
+    """Norms on Q and K (Qwen3)."""
+    impl: str = "transformer_engine"
+    """``LAYER_IMPLS``: Transformer Engine's layers or megatron-core's local ones."""
+    fused_norm: bool = True
+    """Local layers: the norm saves its input only (LayerNorm; torch's RMSNorm on CUDA), not also its normalised
+    output (torch's composite RMSNorm on CPU)."""
+
+    def __post_init__(self):
+        if self.impl not in LAYER_IMPLS:
+            raise ValueError(f"impl={self.impl!r}: expected one of {LAYER_IMPLS}")
+
+
+def layer_bytes_per_token(layer: LayerShape, a: int, *, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes per token one layer keeps for its backward (the module docstring's table, without the per-sequence
+    RoPE term), on one of ``tp`` ranks."""
+    h = layer.hidden / (tp if sequence_parallel else 1)
+    q, g, f = layer.heads * layer.head_dim / tp, layer.groups * layer.head_dim / tp, layer.ffn / tp
+    unfused_norm = layer.impl == "local" and not layer.fused_norm      # also keeps each norm's normalised output
+    norms = 2 * (3 if unfused_norm else 2) * h
+    qk_norm = q + (q + g if unfused_norm else 0)
+    if layer.gated:
+        mlp = 5 * f if layer.impl == "local" else 3 * f
+    else:
+        mlp = 2 * f
+    elements = norms + 3 * q + 3 * g + (qk_norm if layer.qk_norm else 0) + mlp
+    rows = 2 / (tp if sequence_parallel else 1) + (layer.heads + (layer.heads + layer.groups if layer.qk_norm else 0)
+                                                   ) / tp     # fp32: the log-sum-exp, each norm's rstd
+    return a * elements + 4 * rows
+
+
+def layer_bytes_per_sequence(layer: LayerShape, a: int, seq: int) -> float:
+    """Bytes one layer keeps per sequence of ``seq`` tokens whatever the batch: local layers' RoPE cos and sin."""
+    return 4 * seq * layer.head_dim * a if layer.impl == "local" else 0.0
+
+
+def backward_bytes_per_token(layer: LayerShape, a: int, *, tp: int = 1) -> float:
+    """The largest gradient one layer's backward holds beyond what is kept: fc1's output or the QKV projection's."""
+    fc1 = (2 if layer.gated else 1) * layer.ffn
+    return a * max(fc1, (layer.heads + 2 * layer.groups) * layer.head_dim) / tp
+
+
+def outside_layers_bytes_per_token(layer: LayerShape, a: int, *, tp: int = 1, sequence_parallel: bool = False,
+                                   loss_keeps_hidden: bool = True) -> float:
+    """Kept outside the layers, per token: the token ids (8 B), the final norm's saved tensors and the hidden states
+    the loss keeps."""
+    split = tp if sequence_parallel else 1
+    norm = 2 if layer.impl == "local" and not layer.fused_norm else 1
+    return 8 + a * layer.hidden / split * (norm + (1 if loss_keeps_hidden else 0)) + 4 / split
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +187,7 @@ def loss_head_bytes(shape: LossHeadShape, *, transient_dw: bool = True) -> dict[
         "fused": shape.chunk_bytes + dx + dw + per_token,
         "forward_chunked": 2 * t * vp * 4 + dx + dw + per_token,
         "megatron_peer": t * vp * (3 * 4 + (2 * a if a == 2 else 0)) + t * h * a,
-        "dense": 5 * t * v * 4 + dx + dw,
+        "dense": 5.5 * t * v * 4 + dx + dw,
     }
 
 
@@ -100,7 +202,10 @@ class MemoryPlan:
     optimizer: float
     """Adam state (fp32 master copy, m, v), sharded over DP x CP with the distributed optimizer."""
     activations: float
-    """Everything the backward keeps of one microbatch's forward, without the loss head."""
+    """What the forward of the microbatches in flight keeps for the backward, without the loss head."""
+    backward: float
+    """The largest working set of a layer's backward beyond ``activations`` (with recompute "full": the recomputed
+    group's activations too)."""
     kd_batch: float
     """The microbatch's teacher ids and log-probs on this rank."""
     loss_head: dict[str, float]
@@ -109,12 +214,14 @@ class MemoryPlan:
     """The recipe's ``kd.impl``."""
     chunk_bytes: int
     """The fused loss's chunk budget c the plan used."""
+    layers: str
+    """The layers planned: ``LAYER_IMPLS``."""
     notes: tuple[str, ...]
     """Bridge's estimator assumptions plus this plan's."""
 
     def total(self, impl: str | None = None) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.kd_batch
-                + self.loss_head[impl or self.impl])
+                + max(self.loss_head[impl or self.impl], self.backward))
 
 
 def _activation_bytes(cfg) -> int:
@@ -131,30 +238,60 @@ def _padded_vocab(model) -> int:
                                        model.tensor_model_parallel_size, logging_enabled=False)
 
 
-def _activations_without_output_layer(cfg, bridge_activation: float, activation_bytes: int) -> float:
-    """Bridge's activation estimate without its output-layer term, under the recipe's recompute setting."""
+def layer_shape(model, device: str = "cuda") -> LayerShape:
+    """The ``LayerShape`` of a model config (dense layers: MoE experts are not planned). Transformer Engine's layers
+    when planning for CUDA unless ``transformer_impl="local"``; local layers on CPU (``cpu_compat``'s spec)."""
+    heads = model.num_attention_heads
+    local = device != "cuda" or getattr(model, "transformer_impl", "transformer_engine") == "local"
+    return LayerShape(hidden=model.hidden_size, heads=heads, head_dim=model.kv_channels or model.hidden_size // heads,
+                      groups=model.num_query_groups or heads, ffn=model.ffn_hidden_size,
+                      gated=bool(model.gated_linear_unit), qk_norm=bool(getattr(model, "qk_layernorm", False)),
+                      impl="local" if local else "transformer_engine",
+                      fused_norm=model.normalization == "LayerNorm" or device == "cuda")
+
+
+def _in_flight(model, num_microbatches: int | None) -> float:
+    """Microbatches' worth of the whole model's layers the first pipeline stage holds (Bridge's accounting: pp
+    microbatches of its L/pp layers, fewer with fewer microbatches, more with an interleaved schedule)."""
+    pp, vp = model.pipeline_model_parallel_size, getattr(model, "virtual_pipeline_model_parallel_size", None)
+    if vp is not None:
+        return 1 + (pp - 1) / (pp * vp)
+    if pp > 1 and num_microbatches is not None:
+        return min(1.0, num_microbatches / pp)
+    return 1.0
+
+
+def _activations(cfg, layer: LayerShape, a: int, num_microbatches: int | None) -> tuple[float, float]:
+    """(activations, backward) of the module docstring, for the most loaded rank."""
     model, mbs = cfg.model, cfg.train.micro_batch_size
-    s, h, layers = model.seq_length, model.hidden_size, model.num_layers
     tp, cp, pp = model.tensor_model_parallel_size, model.context_parallel_size, model.pipeline_model_parallel_size
-    split = tp * cp
-    if pp == 1:   # the estimator's "inputs to output layer and CE loss" term (full logits), as it writes it
-        bridge_activation -= s * mbs * h * 4 * (1 + _padded_vocab(model) / h) / split
-    embedding = (8 * s * mbs + s * mbs * h) * pp / split                  # its embedding terms
-    per_layer = (bridge_activation - embedding) / layers * activation_bytes / 2
+    sp = bool(model.sequence_parallel)
+    seq = model.seq_length // cp
+    tokens = seq * mbs
+    per_layer = (tokens * layer_bytes_per_token(layer, a, tp=tp, sequence_parallel=sp)
+                 + layer_bytes_per_sequence(layer, a, seq))
+    layer_input = a * tokens * model.hidden_size / (tp if sp else 1)      # one checkpointed [s, b, H] input
+    layers = model.num_layers * _in_flight(model, num_microbatches)
+    backward = tokens * backward_bytes_per_token(layer, a, tp=tp)
     if model.recompute_granularity != "full":
-        return embedding + layers * per_layer
-    group = model.recompute_num_layers or 1
-    layer_input = 2 * s * mbs * h / split                                    # one checkpointed bf16 input
-    if model.recompute_method == "block":                                   # the first `group` layers recompute
-        return embedding + group * layer_input + (layers - group) * per_layer + per_layer
-    return embedding + -(-layers // group) * layer_input + group * per_layer
+        kept = layers * per_layer
+    elif model.recompute_method == "block":                              # the first n layers of a stage recompute
+        n = min(model.recompute_num_layers or 1, model.num_layers // pp) * pp
+        kept = n * layer_input + (layers - n) * per_layer
+        backward += per_layer
+    else:                                                               # groups of g layers, each one input
+        g = model.recompute_num_layers or 1
+        kept = math.ceil(layers / g) * layer_input
+        backward += g * per_layer
+    outside = tokens * outside_layers_bytes_per_token(layer, a, tp=tp, sequence_parallel=sp)
+    return kept + outside, backward
 
 
 def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = None, k: int | None = None,
                 device: str = "cuda", with_optimizer: bool = True, transient_dw: bool = True) -> MemoryPlan:
     """The per-GPU memory of KD run ``cfg`` (a ``KDConfigContainer``) on ``gpus`` GPUs (default: TP·CP·PP, one DP
-    rank); ``device`` picks the loss's default chunk budget; ``with_optimizer`` / ``transient_dw`` False describe a
-    bare forward + backward (the CPU benchmark)."""
+    rank); ``device`` picks the layers planned (``layer_shape``) and the loss's default chunk budget;
+    ``with_optimizer`` / ``transient_dw`` False describe a bare forward + backward."""
     from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
 
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
@@ -167,7 +304,7 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     if gpus % model_parallel:
         raise ValueError(f"gpus={gpus} is not a multiple of TP x CP x PP = {model_parallel}")
     cfg.data_parallel_size = gpus // model_parallel   # Bridge sets it at run time from the world size
-    estimate = estimate_training_memory(cfg, num_microbatches=num_microbatches)
+    estimate = estimate_training_memory(cfg, num_microbatches=num_microbatches, include_activation=False)
     a = _activation_bytes(cfg)
     params = sum(c.parameter_count_per_gpu for c in estimate.model_state_components)
     # Bridge's bytes per parameter: 2 (bf16 weights) + 4 (fp32 grads) + 12 (fp32 master, m, v) / optimizer shard
@@ -178,45 +315,19 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     k = k or cfg.dataset.k or DEFAULT_K
     shape = LossHeadShape(tokens=tokens, hidden=model.hidden_size, vocab=vocab, vocab_per_rank=vocab // tp, k=k,
                           chunk_bytes=cfg.kd.chunk_bytes or DEFAULT_CHUNK_BYTES[device], activation_bytes=a)
+    layer = layer_shape(model, device)
+    activations, backward = _activations(cfg, layer, a, num_microbatches)
     notes = estimate.assumptions + (
         f"{gpus} GPUs: TP={tp}, CP={cp}, PP={model.pipeline_model_parallel_size}, DP="
         f"{cfg.data_parallel_size}; activations of one microbatch ({cfg.train.micro_batch_size} x "
-        f"{model.seq_length} tokens), recompute={model.recompute_granularity}.",
-        "The loss head replaces the estimator's output-layer term; PP>1 adds the last stage's loss head to the "
-        "first stage's activations (an upper bound).")
-    return MemoryPlan(weights=params * a, gradients=params * 4, optimizer=optimizer,
-                      activations=_activations_without_output_layer(cfg, estimate.activation.memory_bytes, a),
-                      kd_batch=tokens * k * 8, loss_head=loss_head_bytes(shape, transient_dw=transient_dw),
-                      impl=cfg.kd.impl, chunk_bytes=shape.chunk_bytes, notes=notes)
-
-
-def bench_step_predictions(*, hidden: int, vocab: int, heads: int, groups: int, ffn: int, layers: int,
-                           seq_length: int, micro_batch: int, k: int, chunk_bytes: int | None = None,
-                           ) -> dict[str, float]:
-    """The planner's bytes for each ``tools/bench_step.py`` variant at one shape: weights + gradients +
-    activations (+ the loss head), fp32, no optimizer, the lm_head's gradient in ``.grad`` (plain autograd).
-
-    ``student_only`` (no loss) keeps no activations for the head. Built on the CPU recipe with the benchmark's
-    student (RMSNorm, SwiGLU, GQA, untied embeddings, TP=1, no recompute).
-    """
-    import torch.nn.functional as F
-
-    from megatron_kd_plugin.recipes.tiny import tiny_gpt_kd_cpu_fp32_config
-
-    cfg = tiny_gpt_kd_cpu_fp32_config()
-    for name, value in dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
-                            kv_channels=hidden // heads, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq_length,
-                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                            add_bias_linear=False).items():
-        setattr(cfg.model, name, value)
-    cfg.dataset.seq_length, cfg.train.micro_batch_size, cfg.kd.chunk_bytes = seq_length, micro_batch, chunk_bytes
-    plan = plan_memory(cfg, k=k, device="cpu", with_optimizer=False, transient_dw=False)
-    model = plan.weights + plan.gradients + plan.activations
-    predicted = {"student_only": model}
-    for variant, impl in (("dense", "dense"), ("megatron_peer", "megatron_peer"), ("forward_chunked",
-                          "forward_chunked"), ("fused_recompute", "fused"), ("fused_grad_in_forward", "fused")):
-        predicted[variant] = model + plan.loss_head[impl]
-    return predicted
+        f"{model.seq_length} tokens), recompute={model.recompute_granularity}, {layer.impl} layers (megatron-core's "
+        f"saved tensors, this module's docstring).",
+        "The total takes the larger of the loss head and the layers' backward working set; PP>1 adds the last "
+        "stage's loss head to the first stage's activations (an upper bound).")
+    return MemoryPlan(weights=params * a, gradients=params * 4, optimizer=optimizer, activations=activations,
+                      backward=backward, kd_batch=tokens * k * 8,
+                      loss_head=loss_head_bytes(shape, transient_dw=transient_dw), impl=cfg.kd.impl,
+                      chunk_bytes=shape.chunk_bytes, layers=layer.impl, notes=notes)
 
 
 def fits(plan: MemoryPlan, gpu_gib: float, impl: str | None = None) -> bool:
@@ -228,14 +339,19 @@ def format_plan(plan: MemoryPlan, gpu_gib: float, title: str) -> str:
     """The plan as a table: one column per loss formulation (the recipe's first), one row per component."""
     impls = [plan.impl] + [i for i in LOSS_HEADS if i != plan.impl]
     shared = [("weights", plan.weights), ("gradients", plan.gradients), ("optimizer states", plan.optimizer),
-              ("activations", plan.activations), ("KD batch (teacher ids, log-probs)", plan.kd_batch)]
-    width = 36
+              (f"activations ({plan.layers} layers)", plan.activations),
+              ("KD batch (teacher ids, log-probs)", plan.kd_batch),
+              ("backward working set", plan.backward)]
+    width = 44
     lines = [title, f"{'GiB per GPU':<{width}}" + "".join(f"{i:>17}" for i in impls)]
     lines += [f"{name:<{width}}" + f"{value / GIB:>17.2f}" * len(impls) for name, value in shared]
     lines.append(f"{'loss head':<{width}}" + "".join(f"{plan.loss_head[i] / GIB:>17.2f}" for i in impls))
-    lines.append(f"{'total':<{width}}" + "".join(f"{plan.total(i) / GIB:>17.2f}" for i in impls))
+    lines.append(f"{'total (the larger of loss head, backward)':<{width}}"
+                 + "".join(f"{plan.total(i) / GIB:>17.2f}" for i in impls))
     verdict = ["fits" if fits(plan, gpu_gib, i) else "does NOT fit" for i in impls]
+    margin = [f"{(USABLE_FRACTION * gpu_gib * GIB - plan.total(i)) / GIB:+.1f}" for i in impls]
     lines.append(f"{f'{gpu_gib:g} GiB GPU (90% usable)':<{width}}" + "".join(f"{v:>17}" for v in verdict))
+    lines.append(f"{'margin to the 90% line':<{width}}" + "".join(f"{m:>17}" for m in margin))
     return "\n".join(lines + [f"  - {note}" for note in plan.notes + fused_head_notes(plan)])
 
 
