@@ -65,20 +65,24 @@ def megatron_logits(model, tokens) -> torch.Tensor:
 
 
 def first_step_reference(cfg, student) -> float:
-    """The first step's loss from the HF student's own float64 logits: mean over the 2 microbatches of the ghost KL
-    per token, on the dataset's first 4 rows (what a 1-rank-DP run reads first)."""
+    """The first step's loss from the HF student's own float64 logits: mean over the 2 microbatches of the recipe's
+    KD term per token (``cfg.kd``: tail, divergence, temperature, alpha = 1, from the loss's float64 definition), on
+    the dataset's first 4 rows (what a 1-rank-DP run reads first)."""
     from tests.hf_models import hf_logits
     from tests.test_bridge_train import fixed_batch
+    from tests.test_loss_helpers import token_kd_from_definition
 
+    kd = cfg.kd
+    assert kd.alpha == 1.0, "the reference is the KD term alone"
     batch = fixed_batch(cfg, rows=4)
     losses = []
     for rows in (slice(0, 2), slice(2, 4)):
-        log_q = torch.log_softmax(hf_logits(student, batch.tokens[rows]), dim=-1)        # [b, s, V]
+        logits = hf_logits(student, batch.tokens[rows]).double()                         # [b, s, V]
         ids, log_p = batch.teacher.ids[rows].long(), batch.teacher.logprobs[rows].double()
-        p = log_p.exp()
-        m, s = p.sum(-1), log_q.gather(-1, ids).exp().sum(-1)
-        kl = (p * (log_p - log_q.gather(-1, ids))).sum(-1) + (1 - m) * (torch.log1p(-m) - torch.log1p(-s))
-        losses.append(float(kl.mean()))
+        terms = [token_kd_from_definition(logits[b, s], ids[b, s], log_p[b, s], kd.tail, kd.divergence,
+                                          kd.temperature, kd.jsd_beta)[0]
+                 for b in range(logits.shape[0]) for s in range(logits.shape[1])]
+        losses.append(float(torch.stack(terms).mean()) * kd.temperature ** 2)
     return sum(losses) / 2
 
 
