@@ -50,10 +50,11 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished cache whose
-    rows fit the student (``TopKCacheDatasetProvider.row_kind``: K, vocabulary, seq_length a multiple of the
-    student's, which is the dataset's) and the loss options and parallelism (``RowKind.check``: e.g. a sampled store
-    needs kd.tail='sampled', a cross-tokenizer student no context parallelism); with context parallelism 2·cp
+    The loss options are valid; the model's parallel sizes divide the world; every store of the dataset is a
+    finished cache whose rows fit the student (``TopKCacheDatasetProvider.row_kinds``: K, vocabulary, seq_length a
+    multiple of the student's, which is the dataset's; the stores of a blend or ensemble together) and the loss
+    options and parallelism (``RowKind.check``: e.g. a sampled store needs kd.tail='sampled', a cross-tokenizer
+    student no context parallelism); with context parallelism 2·cp
     divides seq_length; virtual pipelines and multi-token-prediction heads, which the KD step does not handle, are
     off.
     """
@@ -72,8 +73,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
                          " the KD step supports only None")
     check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
-    cfg.dataset.row_kind(vocab_size=model.vocab_size).check(cfg.kd,
-                                                             context_parallel_size=model.context_parallel_size)
+    for kind in cfg.dataset.row_kinds(vocab_size=model.vocab_size).values():
+        kind.check(cfg.kd, context_parallel_size=model.context_parallel_size)
 
 
 def check_parallel_sizes_divide_world(model) -> None:

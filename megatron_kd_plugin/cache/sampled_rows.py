@@ -24,6 +24,7 @@ class SampledRows(TopKRows):
     """Windows of a sampled store for a student with the teacher's tokenizer (module docstring)."""
 
     mode = "sampled"
+    teacher_type = SampledTeacher
 
     def check_tail(self, options: KDLossOptions) -> None:
         if options.tail != "sampled":
