@@ -133,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch.distributed as dist
 
-    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.cpu_train import MasterPortInUse, train_on_cpu
 
-    train_on_cpu(cfg, kd_forward_step)   # logs every logger.log_interval steps; history.jsonl in tensorboard_dir
+    try:
+        train_on_cpu(cfg, kd_forward_step)   # logs every logger.log_interval steps; history.jsonl in tensorboard_dir
+    except MasterPortInUse as error:
+        print(f"train: error: {error}", file=sys.stderr)
+        return 2
     dist.destroy_process_group()
     return 0
 
