@@ -57,7 +57,7 @@ def parse_blend(value, what: str) -> list[tuple[str, float | None]]:
         paths, weights = get_blend_from_list(items)
     except (AssertionError, ValueError):
         paths, weights = None, None
-    if paths is None or (weights is None and len(items) % 2 == 0 and _numbers(items[::2])):
+    if paths is None or (weights is None and any(_numbers([item]) for item in items)):
         raise ValueError(f"{what}={value!r}: expected 'WEIGHT PATH WEIGHT PATH ...' (Megatron's --data-path) or "
                          "'PATH PATH ...'")
     if weights is None:

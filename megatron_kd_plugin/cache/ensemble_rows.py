@@ -24,6 +24,7 @@ tail and divergence of the top-K loss then applies unchanged to the mixture (``g
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -31,6 +32,17 @@ import torch
 
 from megatron_kd_plugin.cache.rows import KDRow, RowKind
 from megatron_kd_plugin.loss import KDLossOptions, TopKTeacher
+
+
+def mixture_teacher(teachers: Sequence[TopKTeacher], weights: Sequence[float]) -> TopKTeacher:
+    """The mixture of ``teachers`` (each [..., K_j] over the same tokens) with ``weights`` (> 0, normalised here)
+    as one ``TopKTeacher`` [..., K_1 + ... + K_J] (module docstring): the slots side by side, each teacher's
+    log-probs shifted by log pi_j (in float32 at least: a half store's are widened first)."""
+    total = float(sum(weights))
+    dtype = functools.reduce(torch.promote_types, [t.logprobs.dtype for t in teachers], torch.float32)
+    return TopKTeacher(torch.cat([teacher.ids for teacher in teachers], dim=-1),
+                       torch.cat([teacher.logprobs.to(dtype) + math.log(weight / total)
+                                  for teacher, weight in zip(teachers, weights, strict=True)], dim=-1))
 
 
 class EnsembleRows(RowKind):
@@ -56,9 +68,7 @@ class EnsembleRows(RowKind):
                     raise ValueError(f"an ensemble's stores must share their {name}: {first.reader.path} has "
                                      f"{theirs!r}, {member.reader.path} {mine!r}")
         super().__init__(first.reader, seq_length=first.seq_length)
-        self.members = tuple(members)
-        total = float(sum(weights))
-        self.log_weights = tuple(math.log(w / total) for w in weights)
+        self.members, self.weights = tuple(members), tuple(weights)
 
     @classmethod
     def serves(cls, spec, student) -> bool:
@@ -89,7 +99,4 @@ class EnsembleRows(RowKind):
             if not torch.equal(row.tokens, rows[0].tokens) or not torch.equal(row.labels, rows[0].labels):
                 raise ValueError(f"sample {sample}: {member.reader.path} holds other tokens than "
                                  f"{self.members[0].reader.path}; an ensemble's stores must cache the same samples")
-        teacher = TopKTeacher(torch.cat([row.teacher.ids for row in rows], dim=-1),
-                              torch.cat([row.teacher.logprobs.float() + log_weight
-                                         for row, log_weight in zip(rows, self.log_weights)], dim=-1))
-        return rows[0]._replace(teacher=teacher)
+        return rows[0]._replace(teacher=mixture_teacher([row.teacher for row in rows], self.weights))

@@ -119,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from megatron_kd_plugin.bridge.resume import check_resume_data
 
     try:
         pretrain = import_pretrain() if torch.cuda.is_available() else None   # GPU installs only: before any work
         cfg = build_config(args.recipe, args.overrides, args.config_file, args.hf_path, args.seq_length)
         check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
+        check_resume_data(cfg)   # a resume continues on the data it was trained on
     except (ImportError, ValueError, OverridesError) as error:
         print(f"train: error: {error}", file=sys.stderr)
         return 2
