@@ -168,3 +168,79 @@ def test_what_cannot_blend_is_refused_in_one_line_before_step_one(stores):
         with pytest.raises(ValueError, match=message) as error:
             check_kd_config(config(*overrides))
         assert "\n" not in str(error.value), message
+
+
+def train_body(stores, tmp):
+    """One rank: the tiny recipe on a 50/50 blend, straight and stopped at step 2 then resumed (and a resume with a
+    changed blend, refused); the forward step's validation figures per source."""
+    import types
+
+    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from tests.test_bridge_train import gathered_parameters
+
+    blend = f"dataset.blend='0.5 {stores['code']} 0.5 {stores['prose']}'"
+    ckpt = [f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.load={tmp / 'ckpt'}"]
+
+    def run(*extra):
+        cfg = config("kd.alpha=0.5", *extra)
+        models, history = train_on_cpu(cfg, progress=False)
+        return cfg, models[0], history
+
+    cfg, straight_model, straight = run(blend)
+    _, _, first = run(blend, *ckpt, "train.exit_interval=2")
+    try:
+        run(f"dataset.blend='0.25 {stores['code']} 0.75 {stores['prose']}'", *ckpt)
+        refused = "resumed"
+    except ValueError as error:
+        refused = str(error)
+    _, resumed_model, second = run(blend, *ckpt)
+    # validation as Bridge's evaluation runs it: the forward step without gradients on the valid split's batches
+    valid = datasets(config(f"dataset.blend_per_split=['{stores['code']}', '0.5 {stores['code']} 0.5 "
+                            f"{stores['prose']}', null]"), train=4, valid=4)[1]
+    batch = torch.utils.data.default_collate([valid[i] for i in range(4)])
+    state = types.SimpleNamespace(cfg=cfg)
+    reports = {}
+    with torch.no_grad():
+        for name, rows in (("mixed", slice(None)), ("code", batch.source == 0), ("prose", batch.source == 1)):
+            part = type(batch)(*(None if t is None else torch.utils._pytree.tree_map(lambda x: x[rows], t)
+                                 for t in batch))
+            output, loss_func = kd_forward_step(state, iter([part]), straight_model)
+            reports[name] = {key: value.clone() for key, value in loss_func(output)[2].items()}
+    return {"straight": straight, "resumed": first + second, "refused": refused, "reports": reports,
+            "sources": batch.source.tolist(), "params": gathered_parameters(straight_model),
+            "resumed params": gathered_parameters(resumed_model)}
+
+
+@pytest.fixture(scope="module")
+def trained(stores, tmp_path_factory):
+    from tests.distributed import run_on_ranks
+
+    return run_on_ranks(1, train_body, stores, tmp_path_factory.mktemp("blend_train"))[0]
+
+
+def test_training_logs_each_sources_figures(trained):
+    """A 50/50 blend, 2 rows of each store a step: every step's history holds ``kd loss [code]`` and ``kd loss
+    [prose]`` (and ``lm loss [...]``), whose mean is the step's ``kd loss`` (equal token counts)."""
+    for row in trained["straight"]:
+        assert {"kd loss [code]", "kd loss [prose]", "lm loss [code]", "lm loss [prose]"} <= row.keys(), row
+        assert row["kd loss"] == pytest.approx((row["kd loss [code]"] + row["kd loss [prose]"]) / 2, rel=1e-6)
+        assert row["kd loss [code]"] != row["kd loss [prose]"]
+
+
+def test_validation_reports_each_source_as_the_loss_of_its_rows_alone(trained):
+    reports, sources = trained["reports"], trained["sources"]
+    assert sorted(sources) == [0, 0, 1, 1]
+    for name in ("code", "prose"):
+        for figure in ("kd loss", "lm loss"):
+            torch.testing.assert_close(reports["mixed"][f"{figure} [{name}]"], reports[name][figure], rtol=1e-6,
+                                       atol=0)
+
+
+def test_resume_on_the_same_blend_is_bit_identical_and_a_changed_blend_is_refused(trained):
+    assert trained["resumed"] == trained["straight"]                       # every figure of every step, exactly
+    for name, value in trained["params"].items():
+        assert torch.equal(trained["resumed params"][name], value), name
+    refused = trained["refused"]
+    assert "holds a run trained on other data: the train blend was '0.5 " in refused, refused
+    assert "now '0.25 " in refused and "\n" not in refused, refused
