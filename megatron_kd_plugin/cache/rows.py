@@ -9,6 +9,8 @@ the run (``check``). Nothing else tests which kind a store or a row is.
 Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
 from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
 samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+Each row carries the index of its store among the run's (``KDRow.source``): a blend of stores (``blended_rows``)
+reports each store's figures apart.
 """
 
 from __future__ import annotations
