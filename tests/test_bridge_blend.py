@@ -151,8 +151,8 @@ def test_ensemble_rows_are_the_mixture_of_the_teachers_rows(stores):
 def test_what_cannot_blend_is_refused_in_one_line_before_step_one(stores):
     check_kd_config(config(f"dataset.blend='0.5 {stores['code']} 0.5 {stores['prose']}'"))
     refusals = {
-        "kinds of teacher rows cannot blend \\(TopKTeacher: .*code.*; SampledTeacher: .*sampled.*\\): their tails differ":
-            f"dataset.blend='{stores['code']} {stores['sampled']}'",
+        r"kinds of teacher rows cannot blend \(TopKTeacher: .*code.*; SampledTeacher: .*sampled.*\): their tails "
+        "differ": f"dataset.blend='{stores['code']} {stores['sampled']}'",
         "cached with different tokenizers": f"dataset.blend='{stores['code']} {stores['other_tok']}'",
         "expected 'WEIGHT PATH WEIGHT PATH": "dataset.blend='0.5 a.zarr 0.5'",
         "weights must be >= 0": f"dataset.blend='-1 {stores['code']} 2 {stores['prose']}'",

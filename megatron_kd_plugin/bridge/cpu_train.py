@@ -71,9 +71,9 @@ def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
                 if "EADDRINUSE" not in str(error):
                     raise
                 raise MasterPortInUse(
-                    f"MASTER_PORT={os.environ['MASTER_PORT']} is already in use on {os.environ['MASTER_ADDR']} (another "
-                    "run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single process "
-                    "(it then needs none)") from None
+                    f"MASTER_PORT={os.environ['MASTER_PORT']} is already in use on {os.environ['MASTER_ADDR']} "
+                    "(another run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single "
+                    "process (it then needs none)") from None
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
     initialized = parallel_state.get_tensor_model_parallel_world_size()

@@ -17,8 +17,9 @@ Per microbatch:
      the schedule divides by num_tokens and the number of microbatches. ``report`` holds the loss's ``[sum, count]``
      figures (``kd loss``, ``lm loss`` when alpha < 1, the top-K masses; cross-tokenizer rows: ``segment loss``,
      ``segments``, ...); a run of several sources (a blend) also each source's ``kd loss [NAME]`` (and
-     ``lm loss [NAME]``), from each row's ``source`` (Bridge's evaluation reports them per source alike). With Bridge's ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf
-     loss stops the run there, through megatron-core's rerun state machine as Bridge's own loss does.
+     ``lm loss [NAME]``), from each row's ``source`` (Bridge's evaluation reports them per source alike). With
+     Bridge's ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there,
+     through megatron-core's rerun state machine as Bridge's own loss does.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ def check_blend(kinds: Mapping[str, RowKind]) -> None:
         return
     unblendable = [name for name, kind in kinds.items() if kind.teacher_type is None]
     if unblendable:
-        raise ValueError(f"{unblendable[0]} gives rows of another tokenizer (dataset.student_tokenizer), which read one "
-                         "store: blend stores read with the teacher's tokenizer")
+        raise ValueError(f"{unblendable[0]} gives rows of another tokenizer (dataset.student_tokenizer), which "
+                         "read one store: blend stores read with the teacher's tokenizer")
     types = {}
     for name, kind in kinds.items():
         types.setdefault(kind.teacher_type.__name__, []).append(name)
