@@ -1,25 +1,14 @@
 """The KD forward step and loss function, on Megatron-Bridge's contracts (``pretrain(cfg, kd_forward_step)``).
 
-Per microbatch:
-  1. ``get_kd_batch`` takes the next batch from the data iterator: a ``cache.KDRow`` (batch-first [b, S, ...]) whose
-     ``teacher`` is the typed teacher of the store's kind of rows. It keeps what this pipeline stage needs (first:
-     tokens, position_ids; last: labels, loss_mask, the teacher), moves it to the model's device and, with context
-     parallelism, cuts every per-token tensor to this CP rank's S/cp tokens
-     (``context_parallel.slice_kd_batch_for_cp``). Bridge's own batch function cannot be used: it keeps only
-     tokens/labels/loss_mask/position_ids/attention_mask.
-  2. The model runs with GPTModel's ``output_processor`` hook: on the last stage the final-norm hidden states
-     [s, b, H] (or [s/tp, b, H] with sequence parallelism) and this rank's lm_head shard [V/tp, H] go, with a
-     ``loss.KDLossInputs`` (the teacher in [s, b] order, labels, loss mask, ``cfg.kd``, the TP group), to
-     ``loss.kd_loss``, which picks the loss by the teacher's type; no [s, b, V/tp] logits are built. The loss maps
-     hidden through ``copy_to_tensor_model_parallel_region`` (``gather_from_sequence_parallel_region`` with SP)
-     itself, so dX is all-reduced (reduce-scattered) across TP in backward.
-  3. ``kd_loss_func`` returns Megatron's 3-tuple ``(loss_sum, num_tokens, report)`` from the ``loss.KDLossResult``;
-     the schedule divides by num_tokens and the number of microbatches. ``report`` holds the loss's ``[sum, count]``
-     figures (``kd loss``, ``lm loss`` when alpha < 1, the top-K masses; cross-tokenizer rows: ``segment loss``,
-     ``segments``, ...); a run of several sources (a blend) also each source's ``kd loss [NAME]`` (and
-     ``lm loss [NAME]``), from each row's ``source`` (Bridge's evaluation reports them per source alike). With
-     Bridge's ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there,
-     through megatron-core's rerun state machine as Bridge's own loss does.
+Per microbatch: ``get_kd_batch`` takes this stage's part of the next ``cache.KDRow`` (Bridge's own batch function
+keeps only tokens/labels/loss_mask/position_ids/attention_mask), on the model's device and cut for context
+parallelism (``context_parallel``); the model runs with GPTModel's ``output_processor`` hook, which hands the
+final-norm hidden states [s, b, H] (or [s/tp, b, H] with sequence parallelism), this rank's lm_head shard [V/tp, H]
+and a ``loss.KDLossInputs`` to ``loss.kd_loss`` (no [s, b, V/tp] logits; the loss maps hidden into the TP region
+itself, so dX is all-reduced, or reduce-scattered, in backward); ``kd_loss_func`` returns Megatron's 3-tuple
+``(loss_sum, num_tokens, report)`` from the ``loss.KDLossResult``, the report the loss's ``[sum, count]`` figures.
+With Bridge's ``rerun_state_machine.check_for_nan_in_loss`` (on by default) a NaN/Inf loss stops the run there,
+through megatron-core's rerun state machine as Bridge's own loss does.
 """
 
 from __future__ import annotations
@@ -135,7 +124,8 @@ def source_names(cfg) -> tuple[str, ...]:
 
 def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = False):
     """Bridge forward step: ``(output, partial(kd_loss_func, ...))``; reads ``state.cfg.kd`` (the run's
-    ``loss.KDLossOptions``)."""
+    ``loss.KDLossOptions``). A run of several sources (a blend) also reports each source's ``kd loss [NAME]`` (and
+    ``lm loss [NAME]``), from each row's ``source`` (``source_names``); Bridge's evaluation sums them alike."""
     if return_schedule_plan:
         raise ValueError("kd_forward_step does not build MoE overlap schedule plans "
                          "(set model.overlap_moe_expert_parallel_comm=False)")
