@@ -16,7 +16,7 @@ from megatron.bridge.training.utils.omegaconf_utils import OverridesError
 
 from megatron_kd_plugin.bridge.config import KDConfigContainer
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
-from megatron_kd_plugin.loss.options import KDLossOptions
+from megatron_kd_plugin.loss.options import KDLossOptions, check_training_options
 from megatron_kd_plugin.recipes import RECIPES
 from megatron_kd_plugin.commands.train import build_config
 from tests.distributed import scaled
@@ -42,6 +42,9 @@ def test_every_recipe_is_a_kd_config_with_a_conventional_name(tiny_hf_qwen3):
         assert type(cfg.kd) is KDLossOptions, name
         assert cfg.dataset.seq_length == cfg.model.seq_length, name
         cfg.kd.check()
+        if cfg.dataset.student_tokenizer is None:      # what check_kd_config warns about: nothing in a recipe
+            heal = cfg.checkpoint.pretrained_checkpoint is not None
+            assert check_training_options(cfg.kd, heal=heal) == [], name
 
 
 def test_real_model_recipes_are_32k_bf16_hf_students_and_the_multi_gpu_one_uses_tp_pp_dp(tiny_hf_qwen3):

@@ -144,3 +144,29 @@ def test_kd_forward_step_refuses_mtp_students():
     state = types.SimpleNamespace(cfg=types.SimpleNamespace(kd=KDLossOptions()))
     with pytest.raises(ValueError, match="model.mtp_num_layers=2"):
         kd_forward_step(state, iter(()), model)
+
+
+def test_loss_options_that_left_a_student_worse_are_refused_or_warned_before_step_one(store, capsys):
+    """The option screen's harmful combinations (docs/demo.md): tail='none' without the hard labels or at tau != 1 is
+    refused in one line naming the alternative (by the train command too, before any training), a heal at
+    0 < alpha < 1 warned; the recommended settings, a from-scratch student and the CE-only control are not."""
+    import warnings
+
+    from megatron_kd_plugin.commands import train
+
+    heal = "checkpoint.pretrained_checkpoint=/a/trained/student"      # only read: whether the student is trained
+    for options in (["kd.tail=none"], ["kd.tail=none", "kd.temperature=2.0", "kd.alpha=0.5"]):
+        with pytest.raises(ValueError, match=r"kd.tail='none' with .* use kd.tail='renorm' or 'ghost'$"):
+            check_kd_config(kd_config(store, *options))
+    assert train.main(["--recipe", "tiny_gpt_kd_cpu_fp32_config", "--seq-length", str(SEQ),
+                       f"dataset.cache_path={store}", f"model.vocab_size={VOCAB}", "kd.tail=none"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train: error: kd.tail='none' with kd.alpha=1.0"), lines
+    for options in (["kd.alpha=0.5"], ["kd.alpha=0.9", "kd.tail=none"], ["kd.alpha=0.5", "kd.divergence=jsd"]):
+        with pytest.warns(UserWarning, match=r"^kd.alpha=0.\d mixes hard-label cross entropy into a heal"):
+            check_kd_config(kd_config(store, heal, *options))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"kd\.")                # a warning of ours would raise here
+        for options in ([heal], [heal, "kd.tail=renorm"], [heal, "kd.tail=ghost", "kd.temperature=2.0"],
+                        [heal, "kd.alpha=0"], ["kd.alpha=0.5"], ["kd.alpha=0.5", "kd.tail=none"]):
+            check_kd_config(kd_config(store, *options))

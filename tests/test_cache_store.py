@@ -529,6 +529,26 @@ def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t)
         reader.validate(mode="topk")
 
 
+def test_draws_of_a_confident_teacher_keep_their_mass_and_a_grid_codec_is_refused_for_them(tmp_path, capsys):
+    """64 draws per token from a confident teacher: with the sampled store's default codec the distinct drawn mass
+    stays <= 1 (the loss's input check passes); the grid codec, whose mass balance is a top-K row's, decoded it up
+    to 1.07 here (the loss refused the rows) and is refused for draws by the writer and the cache command."""
+    from megatron_kd_plugin.commands.cache import main
+
+    table = 6 * torch.randn(V, V, generator=torch.Generator().manual_seed(0))
+    write(tmp_path / "d", logits_fn=lambda tokens: table[tokens].transpose(0, 1), k=64, mode="sampled")
+    reader = TopKCacheReader(tmp_path / "d")
+    assert reader.spec.logprob_codec == fmt.DEFAULT_DRAWS_CODEC
+    kind = row_kind(reader, seq_length=S)
+    mass = max(float(kind.row(i, 0).teacher.mass().max()) for i in range(N))
+    assert 0.99 < mass <= 1.0 + 1e-3, mass
+    with pytest.raises(ValueError, match="log-prob codec 'grid8' with draws: its mass balance is a top-K row's"):
+        write(tmp_path / "g", k=64, mode="sampled", logprob_codec="grid8")
+    assert main(["--teacher", "t", "--data", "d", "--output", str(tmp_path / "o"), "--seq-length", "8",
+                 "--draws", "8", "--logprob-codec", "grid8"]) == 2
+    assert "log-prob codec 'grid8' with draws" in capsys.readouterr().err
+
+
 def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch_and_dp_split(tmp_path):
     options = dict(k=12, mode="sampled", proposal_temperature=1.5, sample_seed=1)
     write(tmp_path / "full", **options)

@@ -281,7 +281,7 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     assert result["params"]["student"] < result["params"]["teacher"]
     history = json.loads((folder / "history.json").read_text())
     assert len(history["heal_kd"]) == len(history["heal_ce"]) == MINI.heal_steps
-    assert "lm loss" in history["heal_kd"][0] and "kd loss" in history["heal_kd"][0]
+    assert "kd loss" in history["heal_kd"][0] and "lm loss" in history["heal_ce"][0]
     for name in ("results.png", "results.md", "plan.txt", "commands.sh", "teacher/config.json",
                  "teacher/tokenizer.json", "student_pruned/model.safetensors", "healed_kd/model.safetensors",
                  "healed_ce/model.safetensors", "cache.zarr", "heal_kd/tb_logs/history.jsonl"):

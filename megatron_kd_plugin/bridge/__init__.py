@@ -1,8 +1,8 @@
 """Megatron-Bridge integration: the dataset provider, the KD forward step, the KD config and the CPU loop. It reads
 stores only through ``megatron_kd_plugin.cache``'s names; its models come from ``megatron_kd_plugin.models``.
 
-``forward_step`` itself needs only megatron-core (the GPU check runs it without Bridge; its rows come from the cache): without
-Megatron-Bridge installed the package still imports, only without ``register``.
+``forward_step`` itself needs only megatron-core (the GPU check runs it without Bridge; its rows come from the
+cache): without Megatron-Bridge installed the package still imports, only without ``register``.
 
 - ``provider.TopKCacheDatasetProvider``: ``cfg.dataset`` over a teacher cache store (its rows' kind:
   ``megatron_kd_plugin.cache.row_kind``).

@@ -38,13 +38,14 @@ class CrossTokenizerRows(RowKind):
             raise ValueError(f"the student's tokenizer has {len(self.student.strings)} ids, more than the student's "
                              f"vocab_size={vocab_size}")
 
-    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
+    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1, heal: bool = False) -> list[str]:
         if context_parallel_size > 1:
             raise ValueError(f"model.context_parallel_size={context_parallel_size} with a cross-tokenizer student "
                              "(dataset.student_tokenizer): segments would be split across CP ranks; use 1")
         if options.token_weight > 0 and self.reader.spec.mode != "topk":
             raise ValueError(f"kd.token_weight={options.token_weight} needs the teacher's top-K, and "
                              f"{self.reader.path} holds draws; write it without --draws")
+        return []
 
     def rows_per_sample(self) -> int:
         return 1

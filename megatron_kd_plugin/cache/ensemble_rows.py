@@ -79,9 +79,12 @@ class EnsembleRows(RowKind):
         for member in self.members:
             member.validate(vocab_size=vocab_size, k=k)
 
-    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
+    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1, heal: bool = False) -> list[str]:
+        warned = {}
         for member in self.members:
-            member.check(options, context_parallel_size=context_parallel_size)
+            warned.update(dict.fromkeys(member.check(options, context_parallel_size=context_parallel_size,
+                                                     heal=heal)))
+        return list(warned)
 
     def rows_per_sample(self) -> int:
         return self.members[0].rows_per_sample()

@@ -171,6 +171,18 @@ REALISED_CODEC = LOGPROB_CODECS["fp16-bitround7"]
 """The codec of ``teacher_realised_logprob`` (one value per token) in stores whose log-prob codec is a grid."""
 
 DEFAULT_LOGPROB_CODEC = "grid8"
+DEFAULT_DRAWS_CODEC = "fp16-bitround7"
+"""The default of a sampled store: a grid's mass balance is a top-K row's (``logprob_grid.py``), and in a row of
+draws, where ids repeat and their probabilities sum past 1, it moves each repeat's code its own way (the distinct
+drawn mass decoded up to 1.07 on a confident teacher, ``tests/test_cache_store.py``)."""
+
+
+def check_logprob_codec(mode: str, codec: str) -> None:
+    """ValueError for a log-prob codec that cannot store this mode's rows (a grid for draws)."""
+    if mode == "sampled" and LOGPROB_CODECS[codec].grid is not None:
+        raise ValueError(f"log-prob codec {codec!r} with draws: its mass balance is a top-K row's and distorts the "
+                         f"log-probs of repeated draws; use {DEFAULT_DRAWS_CODEC!r} (the default with --draws) or "
+                         "'fp32'")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,9 +74,9 @@ class RowKind(abc.ABC):
         (None: not checked)."""
 
     @abc.abstractmethod
-    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
+    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1, heal: bool = False) -> list[str]:
         """ValueError, in one line naming the setting to change, for loss options or parallelism these rows cannot
-        serve."""
+        serve; the warnings to show before step one (``heal``: the student starts from trained weights)."""
 
     @abc.abstractmethod
     def rows_per_sample(self) -> int:

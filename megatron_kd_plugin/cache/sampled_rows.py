@@ -26,6 +26,14 @@ class SampledRows(TopKRows):
     mode = "sampled"
     teacher_type = SampledTeacher
 
+    def validate(self, *, vocab_size: int | None = None, k: int | None = None) -> None:
+        super().validate(vocab_size=vocab_size, k=k)
+        try:
+            fmt.check_logprob_codec(self.mode, self.reader.spec.logprob_codec)
+        except ValueError as error:
+            raise ValueError(f"{self.reader.path} was written with the {error}; rewrite the store with the same cache "
+                             "command and --overwrite") from None
+
     def check_tail(self, options: KDLossOptions) -> None:
         if options.tail != "sampled":
             raise ValueError(f"kd.tail={options.tail!r} does not fit the sampled store {self.reader.path}: its slots "

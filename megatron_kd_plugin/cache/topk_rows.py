@@ -18,6 +18,7 @@ import torch
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.rows import KDRow, RowKind, window_row
 from megatron_kd_plugin.loss import KDLossOptions, TopKTeacher
+from megatron_kd_plugin.loss.options import check_training_options
 
 
 class TopKRows(RowKind):
@@ -37,17 +38,18 @@ class TopKRows(RowKind):
     def validate(self, *, vocab_size: int | None = None, k: int | None = None) -> None:
         self.reader.validate(vocab_size=vocab_size, seq_length=self.seq_length, k=k)
 
-    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1) -> None:
+    def check(self, options: KDLossOptions, *, context_parallel_size: int = 1, heal: bool = False) -> list[str]:
         self.check_tail(options)
         if options.token_weight > 0:
             raise ValueError(f"kd.token_weight={options.token_weight} is for a student with its own tokenizer: set "
                              "dataset.student_tokenizer to the student's tokenizer, or kd.token_weight=0")
+        return check_training_options(options, heal=heal)
 
     def check_tail(self, options: KDLossOptions) -> None:
         """ValueError for a tail these slots cannot serve."""
         if options.tail == "sampled":
-            raise ValueError(f"kd.tail='sampled' does not fit the {self.mode} store {self.reader.path}: it needs a store "
-                             "written with --draws N; use another tail")
+            raise ValueError(f"kd.tail='sampled' does not fit the {self.mode} store {self.reader.path}: it needs a "
+                             "store written with --draws N; use another tail")
 
     def rows_per_sample(self) -> int:
         return self.reader.spec.seq_length // self.seq_length

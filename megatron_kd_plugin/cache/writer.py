@@ -365,7 +365,7 @@ def refuse_while_written(output) -> None:
 
 
 def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
-                temperature: float = 1.0, logprob_codec: str = fmt.DEFAULT_LOGPROB_CODEC,
+                temperature: float = 1.0, logprob_codec: str | None = None,
                 samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
                 top_p: float | None = None, min_k: int | None = None, overwrite: bool = False,
@@ -393,6 +393,9 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if logprob_codec is None:
+        logprob_codec = fmt.DEFAULT_DRAWS_CODEC if mode == "sampled" else fmt.DEFAULT_LOGPROB_CODEC
+    fmt.check_logprob_codec(mode, logprob_codec)
     output = pathlib.Path(output)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,

@@ -86,10 +86,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="HF teacher parameter dtype (auto: the checkpoint's on a GPU, float32 without CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
     p.add_argument("--samples-per-shard", type=int, default=16, help="samples per shard (resume unit)")
-    p.add_argument("--logprob-codec", default=fmt.DEFAULT_LOGPROB_CODEC, choices=sorted(fmt.LOGPROB_CODECS),
-                   help="grid8 (default): a float16 row maximum and 8-bit codes below it, ~70 B/token at K=100, "
-                        "round-trip KL ~5e-4 nats; fp16-bitround7 (the default before), fp16-bitround8, fp16, fp32: "
-                        "more bytes, less error (docs/cache.md)")
+    p.add_argument("--logprob-codec", default=None, choices=sorted(fmt.LOGPROB_CODECS),
+                   help="grid8 (the default of a top-K): a float16 row maximum and 8-bit codes below it, ~70 B/token "
+                        "at K=100, round-trip KL ~5e-4 nats; fp16-bitround7 (the default with --draws: a grid cannot "
+                        "store repeated draws), fp16-bitround8, fp16, fp32: more bytes, less error (docs/cache.md)")
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
     p.add_argument("--cross-tokenizer", action="store_true",
                    help="also store what a student with another tokenizer needs: each token's realised log-prob and "
@@ -114,6 +114,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{flag}={value}: expected >= 1")
     if args.proposal_temperature is not None and not args.proposal_temperature > 0:
         p.error(f"--proposal-temperature={args.proposal_temperature}: expected > 0")
+    if args.logprob_codec is not None:
+        fmt.check_logprob_codec(args.mode, args.logprob_codec)   # ValueError: one line, before the teacher loads
     check_top_p(args)
     return args
 

@@ -80,15 +80,22 @@ class HealConfig:
     """Share of each kept MLP's channels the student keeps (width pruning, by activation)."""
     calibration_samples: int = 16
     """Train samples whose activations rank the MLP channels."""
-    heal_steps: int = 100
-    """Optimizer steps of each heal (the budget KD and CE share)."""
-    heal_lr: float = 3e-4
-    """Heals' peak learning rate (10 % warm-up, then cosine to a tenth). 1e-3 moved both heals away from the teacher
-    (KL above the pruned student's, and the CE heal's perplexity too: docs/demo.md)."""
+    heal_steps: int = 300
+    """Optimizer steps of each heal (the budget KD and CE share; one epoch of as many cached samples). 300 won back
+    79-90 % of what pruning cost where 100 won back 61-70 % (the heal sweeps, docs/demo.md)."""
+    heal_lr: float = 1e-3
+    """The KD heal's peak learning rate (10 % warm-up, then cosine to a tenth): the best of 1e-4 ... 3e-3 at
+    alpha = 1 in the heal sweeps (5e-4 ... 1e-3 within a point; 2e-3 and above worse)."""
+    ce_lr: float = 5e-4
+    """The CE heal's peak learning rate (same schedule): the CE control's own best held-out perplexity in the heal
+    sweeps (a control run at the KD heal's rate would not be its best)."""
     topk: int = 100
     """Teacher top-K cached per token."""
-    kd_alpha: float = 0.5
-    """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0)."""
+    kd_alpha: float = 1.0
+    """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0). 1: every alpha < 1 healed
+    less, and at lr 1e-3 moved the student away from the teacher (docs/demo.md)."""
+    kd_tail: str = "renorm"
+    """The KD heal's tail (``kd.tail``): renorm healed more than ghost in the heal sweeps, on both seeds."""
     cache_tp: int = 2
     """Tensor-parallel size (= processes) of the caching run."""
     eval_samples: int = 64
@@ -116,6 +123,13 @@ class HealConfig:
                 "heldout": (self.eval_samples * self.seq_length + 1,
                             f"{self.eval_samples} eval samples of {self.seq_length} tokens + 1; the held-out "
                             f"split takes one document in {self.corpus.heldout_every}")}
+
+
+def load_config(folder: pathlib.Path) -> HealConfig:
+    """The ``HealConfig`` a finished demo folder was made with (its ``config.json``)."""
+    fields = json.loads((folder / "config.json").read_text())
+    return HealConfig(**dict(fields, corpus=CorpusConfig(**fields["corpus"]), teacher=Qwen3Shape(**fields["teacher"]),
+                             keep_layers=tuple(fields["keep_layers"])))
 
 
 PRESETS = {
@@ -170,7 +184,8 @@ def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
 
 
 def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, folder: pathlib.Path) -> dict:
-    """The pruned student (``qwen3_models.compress``) saved as a HF folder with the tokenizer; returns the parameter counts."""
+    """The pruned student (``qwen3_models.compress``) saved as a HF folder with the tokenizer; returns the parameter
+    counts."""
     from megatron_kd_plugin.demo import qwen3_models
 
     teacher = qwen3_models.load(teacher_folder)
@@ -185,23 +200,29 @@ def package_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "megatron_kd_plugin", *args]
 
 
-def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path) -> list[str]:
+def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path,
+                  selection: list[str] | None = None) -> list[str]:
+    """The cache command writing ``cfg.cache_samples`` samples; ``selection``: what each token keeps (default
+    ``--topk cfg.topk``; e.g. ``--draws 64``, or ``--top-p 0.9``, capped by ``--topk cfg.topk``)."""
+    if selection is None or "--draws" not in selection and "--topk" not in selection:
+        selection = ["--topk", str(cfg.topk), *(selection or [])]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
             "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
-            "--output", str(store), "--seq-length", str(cfg.seq_length), "--topk", str(cfg.topk),
+            "--output", str(store), "--seq-length", str(cfg.seq_length), *selection,
             "--tp", str(cfg.cache_tp), "--num-samples", str(cfg.cache_samples),
             "--micro-batch-size", str(cfg.micro_batch_size), "--no-progress"]
 
 
 def heal_arguments(cfg: HealConfig, student: pathlib.Path, store: pathlib.Path, run_dir: pathlib.Path, *,
-                   alpha: float) -> list[str]:
-    """``--recipe ... --hf-path ... --seq-length ...`` and the overrides of one heal (``alpha=0``: CE only)."""
+                   alpha: float, lr: float) -> list[str]:
+    """``--recipe ... --hf-path ... --seq-length ...`` and the overrides of one heal (``alpha=0``: CE only) at peak
+    learning rate ``lr``."""
     return ["--recipe", HEAL_RECIPE, "--hf-path", str(student), "--seq-length", str(cfg.seq_length),
             f"dataset.cache_path={store}", f"dataset.seed={cfg.seed}", f"rng.seed={cfg.seed}",
             f"train.train_iters={cfg.heal_steps}", f"train.global_batch_size={cfg.micro_batch_size}",
-            f"train.micro_batch_size={cfg.micro_batch_size}", f"optimizer.lr={cfg.heal_lr}",
-            f"optimizer.min_lr={cfg.heal_lr / 10}", f"scheduler.lr_warmup_iters={max(1, cfg.heal_steps // 10)}",
-            f"kd.alpha={alpha}", f"checkpoint.save={run_dir / 'checkpoints'}",
+            f"train.micro_batch_size={cfg.micro_batch_size}", f"optimizer.lr={lr}",
+            f"optimizer.min_lr={lr / 10}", f"scheduler.lr_warmup_iters={max(1, cfg.heal_steps // 10)}",
+            f"kd.alpha={alpha}", f"kd.tail={cfg.kd_tail}", f"checkpoint.save={run_dir / 'checkpoints'}",
             f"checkpoint.load={run_dir / 'checkpoints'}", f"checkpoint.save_interval={cfg.heal_steps}",
             f"logger.tensorboard_dir={run_dir / 'tb_logs'}", f"logger.log_interval={max(1, cfg.heal_steps // 10)}"]
 
@@ -230,8 +251,18 @@ def evaluate_folders(cfg: HealConfig, corpus, folders: dict[str, pathlib.Path]) 
     return metrics
 
 
-def plot_results(metrics: dict, histories: dict[str, list[dict]], path: pathlib.Path) -> None:
-    """Three panels: the heals' training CE, the KD heal's KD term, held-out perplexity and KL per model."""
+def won_back(metrics: dict, name: str) -> tuple[float, float]:
+    """The share of what pruning cost that model ``name`` wins back: (pruned - model) / (pruned - teacher), in
+    held-out perplexity and in KL to the teacher (the teacher's KL is 0)."""
+    teacher, pruned, model = metrics["teacher"], metrics["pruned"], metrics[name]
+    return ((pruned["perplexity"] - model["perplexity"]) / (pruned["perplexity"] - teacher["perplexity"]),
+            (pruned["kl_to_teacher"] - model["kl_to_teacher"]) / pruned["kl_to_teacher"])
+
+
+def plot_results(metrics: dict, histories: dict[str, list[dict]], path: pathlib.Path, kd_label: str) -> None:
+    """Four panels: the heals' training CE (the CE heal's; the KD heal's too if its alpha < 1), the KD heal's KD
+    term (``kd_label`` names its loss), then held-out perplexity (a linear axis zoomed to the models' range) and KL
+    per model, each healed bar labelled with the share of the pruning cost it won back."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,37 +270,42 @@ def plot_results(metrics: dict, histories: dict[str, list[dict]], path: pathlib.
 
     from megatron_kd_plugin.demo.scratch import draw_curves
 
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
-    draw_curves(axes[0], "heal: training cross entropy (hard labels)",
-                {f"{name} heal": [row["lm loss"] for row in rows] for name, rows in histories.items()})
-    draw_curves(axes[1], "KD heal: forward KL to the cached top-K (ghost tail)",
-                {"KD heal": [row["kd loss"] for row in histories["KD"]]})
-    ax = axes[2]
-    x = torch.arange(len(MODELS)).numpy()
-    bars = ax.bar(x - 0.2, [metrics[m]["perplexity"] for m in MODELS], 0.4, label="held-out perplexity")
-    ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.axhline(metrics["unigram"]["perplexity"], color="grey", linestyle="--", label="unigram perplexity")
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity (log scale)")
-    twin = ax.twinx()
-    kl = twin.bar(x + 0.2, [metrics[m]["kl_to_teacher"] for m in MODELS], 0.4, color="tab:orange",
-                  label="KL(teacher ‖ model)")
-    twin.bar_label(kl, fmt="%.3f", fontsize=8)
-    twin.set_ylabel("KL(teacher ‖ model), nats/token")
-    ax.set_xticks(x, MODELS)
-    ax.set_title("held-out text, evaluated by transformers")
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper center", fontsize=8)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    draw_curves(axes[0, 0], "heal: training cross entropy (hard labels)",   # the KD heal forms it only at alpha < 1
+                {f"{name} heal": [row["lm loss"] for row in rows] for name, rows in histories.items()
+                 if "lm loss" in rows[0]})
+    draw_curves(axes[0, 1], f"KD heal: {kd_label}", {"KD heal": [row["kd loss"] for row in histories["KD"]]})
+    colors = ["tab:green", "tab:gray", "tab:blue", "tab:orange"]
+    for ax, key, title in ((axes[1, 0], "perplexity", "held-out perplexity (lower is better)"),
+                           (axes[1, 1], "kl_to_teacher", "held-out KL(teacher ‖ model), nats/token")):
+        values = [metrics[m][key] for m in MODELS]
+        bars = ax.bar(range(len(MODELS)), values, 0.6, color=colors)
+        labels = [f"{v:.1f}" if key == "perplexity" else f"{v:.3f}" for v in values]
+        for i, name in enumerate(MODELS):
+            if name.startswith("healed"):
+                labels[i] += f"\nwon back {won_back(metrics, name)[key != 'perplexity']:.0%}"
+        ax.bar_label(bars, labels, fontsize=9, padding=2)
+        low, high = min(values), max(values)
+        ax.set_ylim(low - 0.35 * (high - low) if key == "perplexity" else 0, high + 0.2 * (high - low))
+        ax.set_xticks(range(len(MODELS)), MODELS)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1, 0].set_xlabel(f"(unigram baseline: {metrics['unigram']['perplexity']:.0f}, off the axis)")
+    axes[1, 1].set_xlabel("won back: (pruned - healed) / (pruned - teacher)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def outcome(metrics: dict) -> dict[str, float]:
-    """KD heal against CE heal (relative change of perplexity and KL), and the teacher against the unigram."""
+    """KD heal against CE heal (relative change of perplexity and KL), the share of the pruning cost each heal won
+    back (``won_back``), and the teacher against the unigram."""
     kd, ce = metrics["healed KD"], metrics["healed CE"]
+    (kd_ppl, kd_kl), (ce_ppl, ce_kl) = won_back(metrics, "healed KD"), won_back(metrics, "healed CE")
     return {"kd_vs_ce_perplexity": kd["perplexity"] / ce["perplexity"] - 1,
             "kd_vs_ce_kl": kd["kl_to_teacher"] / ce["kl_to_teacher"] - 1,
+            "kd_won_back_perplexity": kd_ppl, "kd_won_back_kl": kd_kl,
+            "ce_won_back_perplexity": ce_ppl, "ce_won_back_kl": ce_kl,
             "teacher_vs_unigram_perplexity": metrics["teacher"]["perplexity"] / metrics["unigram"]["perplexity"] - 1,
             "teacher_vs_ce_perplexity": metrics["teacher"]["perplexity"] / ce["perplexity"] - 1}
 
@@ -280,8 +316,9 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
                          f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
               "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
                         f", {params['student'] / 1e6:.2f}M params",
-              "healed KD": f"{cfg.heal_steps} steps, alpha {cfg.kd_alpha}, top-{cfg.topk}",
-              "healed CE": f"{cfg.heal_steps} steps, alpha 0"}
+              "healed KD": f"{cfg.heal_steps} steps, lr {cfg.heal_lr:g}, alpha {cfg.kd_alpha}, top-{cfg.topk}, "
+                           f"{cfg.kd_tail} tail",
+              "healed CE": f"{cfg.heal_steps} steps, lr {cfg.ce_lr:g}, alpha 0"}
     lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
     for name in MODELS:
         m = metrics[name]
@@ -293,6 +330,8 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
     lines += ["", f"KD heal vs CE heal at the same budget: perplexity {o['kd_vs_ce_perplexity']:+.1%}, KL to the "
                   f"teacher {o['kd_vs_ce_kl']:+.1%}: the KD-healed student is "
                   f"{'closer to the teacher in both' if closer else 'NOT closer to the teacher in both'}.",
+              f"Of what pruning cost (perplexity / KL), the KD heal won back {o['kd_won_back_perplexity']:.0%} / "
+              f"{o['kd_won_back_kl']:.0%}, the CE heal {o['ce_won_back_perplexity']:.0%} / {o['ce_won_back_kl']:.0%}.",
               f"Teacher perplexity {o['teacher_vs_unigram_perplexity']:+.1%} against the unigram baseline, "
               f"{o['teacher_vs_ce_perplexity']:+.1%} against the CE-healed student."]
     lines += stage_lines(seconds)
@@ -320,14 +359,14 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     params = stage("compress", compress_teacher, cfg, corpus, teacher, pruned)
     stage("cache", run_command, cache_command(cfg, corpus, teacher, store), output / "cache.log", commands,
           threads=max(1, (os.cpu_count() or 1) // cfg.cache_tp))
-    plan_args = heal_arguments(cfg, pruned, store, output / "heal_kd", alpha=cfg.kd_alpha)
+    plan_args = heal_arguments(cfg, pruned, store, output / "heal_kd", alpha=cfg.kd_alpha, lr=cfg.heal_lr)
     stage("plan", run_command, package_command("plan", *plan_args), output / "plan.txt", commands)
     folders = {"teacher": teacher, "pruned": pruned}
     histories = {}
-    for name, alpha in (("KD", cfg.kd_alpha), ("CE", 0.0)):
+    for name, alpha, lr in (("KD", cfg.kd_alpha, cfg.heal_lr), ("CE", 0.0, cfg.ce_lr)):
         run_dir = output / f"heal_{name.lower()}"
         stage(f"heal {name}", run_command, package_command("train", *heal_arguments(cfg, pruned, store, run_dir,
-                                                                                     alpha=alpha)),
+                                                                                     alpha=alpha, lr=lr)),
               output / f"heal_{name.lower()}.log", commands)
         folders[f"healed {name}"] = output / f"healed_{name.lower()}"
         shutil.copytree(exported_student(run_dir, cfg.heal_steps), folders[f"healed {name}"])
@@ -335,7 +374,8 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     metrics = stage("eval", evaluate_folders, cfg, corpus, folders)
     (output / "history.json").write_text(json.dumps({"teacher": teacher_history, "heal_kd": histories["KD"],
                                                      "heal_ce": histories["CE"]}) + "\n")
-    plot_results(metrics, histories, output / "results.png")
+    plot_results(metrics, histories, output / "results.png",
+                 kd_label=f"forward KL to the cached top-{cfg.topk} ({cfg.kd_tail} tail)")
     seconds["total"] = sum(seconds.values())
     result = {"metrics": metrics, "outcome": outcome(metrics), "params": params, "seconds": seconds}
     (output / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")

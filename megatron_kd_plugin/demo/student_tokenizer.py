@@ -304,8 +304,8 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment, {paired:.3f} at a "
-             f"pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
+             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment, {paired:.3f} at "
+             f"a pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
              f"{mapped:.3f} of its mass", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | segment/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]

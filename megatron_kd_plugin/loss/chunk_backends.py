@@ -10,10 +10,9 @@ For one chunk of c tokens with raw logits r [c, V/tp] (``token_math`` for the na
 
 Backward in ``recompute`` mode repeats ``load`` and ``logits_grad_`` with the saved M and scaled coefficients.
 
-``TorchChunks`` (the PyTorch pieces below): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the support in
-place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1; S1_tail = sum of E^tau for the ghost tail
-at tau != 1), gradient
-dr = dense E + ce_dense E1 + scatter(support) + scatter(label).
+``TorchChunks`` (the PyTorch pieces below): z = r / tau in place in the accumulation dtype, E = exp(z - M) off the
+support in place (and E1 = exp(r - tau M) in a second buffer for CE at tau != 1; S1_tail = sum of E^tau for the ghost
+tail at tau != 1), gradient dr = dense E + ce_dense E1 + scatter(support) + scatter(label).
 ``TritonChunks`` (``megatron_kd_plugin.kernels``, math in ``kernels/reference.py``): r stays in its dtype (bf16 on
 GPU). ``chunk_row_stats(r, [support | label], 1/tau, exclude=support)`` gives the local max, the off-support
 sum-exp and the gathered z, rescaled to the global M before the SUM all-reduce (a second

@@ -57,7 +57,7 @@ class _ChunkedLogitsKL(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=dtype, device=logits.device) if input_grads(ctx, plan)[0] else None
 
         def logits_chunk(rows: slice) -> torch.Tensor:                       # the gradient rows double as buffer
-            buffer = grad[rows] if grad is not None else torch.empty(logits[rows].shape, dtype=dtype, device=logits.device)
+            buffer = grad[rows] if grad is not None else logits.new_empty(logits[rows].shape, dtype=dtype)
             return buffer.copy_(logits[rows])
 
         on_grad = (lambda rows, chunk_grad: None) if grad is not None else None   # already written in place
