@@ -44,6 +44,11 @@ alignment is kept after its first read) with its alignments made three ways befo
 sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or mapped from the sidecar folder; in
 one run, so the ratios are side by side.
 
+``--blend`` (issue #30) measures the training rows' reader on a blend of two stores against one store, side by side
+in this one process: ``KDRows`` of one store (two epochs) next to ``BlendedRows`` of two stores at 0.5 / 0.5 (the
+same rows read, half from each) and of two stores of K and K/2 (rows padded to K), each read in random order, best of
+``--rounds`` alternating rounds; the blend must read at >= 0.9x the one store's tokens/s.
+
 The synthetic teacher: logits z_t = a·log-Zipf prior (vocab in random order) + b·(E[x_t] · W) with random
 E [V, 64], W [64, V] — one token's logits depend on that token only, with a realistic skew toward frequent ids;
 a, b are set so that the mean top-100 mass is ~0.9 and the mean entropy ~2.5 nats, like a mid-size LM on text.
@@ -52,6 +57,7 @@ a, b are set so that the mean top-100 mass is ~0.9 and the mean entropy ~2.5 nat
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shutil
 import sys
@@ -187,6 +193,35 @@ def reader_codecs(source, logits_fn, vocab: int, args, work: pathlib.Path, label
         print(f"| {codec} | {size[fmt.IDS] / (n * s):.1f} | {size[fmt.LOGPROBS] / (n * s):.1f} | "
               f"{sum(size.values()) / (n * s):.1f} | {best[codec][1]:,.0f} | {best[codec][0]:,.0f} | "
               f"{best[codec][1] / first:.3f} |")
+
+
+def blend_reader(source, logits_fn, vocab: int, args, work: pathlib.Path, label: str) -> None:
+    """Prints the rows' reader rate on a blend of two stores against one store (see the module docstring)."""
+    from megatron_kd_plugin.cache import BlendedRows, KDRows, row_kind
+
+    n, s = len(source), source.seq_length
+    other = TokenWindows(np.random.default_rng(1).integers(0, vocab, n * s + 1), s, num_samples=n,
+                         fingerprint="bench-other", tokenizer=source.tokenizer, tokenizer_vocab_size=vocab)
+    kinds = {}
+    for name, data, k in (("a", source, args.k), ("b", other, args.k), ("half", other, args.k // 2)):
+        write_cache(data, logits_fn, work / name, k=k, vocab_size=vocab, teacher="bench", samples_per_shard=8,
+                    micro_batch_size=args.micro_batch_size, progress=False)
+        kinds[name] = row_kind(TopKCacheReader(work / name), seq_length=s)
+    ids = np.arange(n)
+    readers = {"one store (KDRows, 2 epochs)": KDRows(kinds["a"], ids, num_rows=2 * n, seed=0),
+               "blend of two stores, 0.5 / 0.5 (BlendedRows)": BlendedRows(
+                   [(kinds["a"], ids, 0), (kinds["b"], ids, 1)], [0.5, 0.5], num_rows=2 * n, seed=0),
+               f"blend of K={args.k} and K={args.k // 2} (padded)": BlendedRows(
+                   [(kinds["a"], ids, 0), (kinds["half"], ids, 1)], [0.5, 0.5], num_rows=2 * n, seed=0)}
+    best = best_alternating_rates(readers, 2 * n, s, args.rounds)
+    print(f"\n### training rows' reader, one store against a blend, {label}: K={args.k}, {n} samples x {s} tokens "
+          f"per store, {fmt.DEFAULT_LOGPROB_CODEC}, best of {args.rounds} alternating rounds x 3 random-order passes "
+          f"over {2 * n} rows, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}\n")
+    print("| rows | tok/s per CPU-s | wall tok/s | vs one store (CPU-s) |")
+    print("|---|---:|---:|---:|")
+    first = best["one store (KDRows, 2 epochs)"][1]
+    for name in readers:
+        print(f"| {name} | {best[name][1]:,.0f} | {best[name][0]:,.0f} | {best[name][1] / first:.3f} |")
 
 
 def baseline_rows(exact, k, work: pathlib.Path) -> list[dict]:
@@ -529,9 +564,11 @@ def main() -> None:
     parser.add_argument("--integrity-cost", action="store_true",
                         help="reader cost of format version 3's records, against the same store read as version 2")
     parser.add_argument("--rounds", type=int, default=4,
-                        help="alternating rounds for --integrity-cost and --reader-codecs")
+                        help="alternating rounds for --integrity-cost, --reader-codecs and --blend")
     parser.add_argument("--reader-codecs", nargs="+", choices=sorted(fmt.LOGPROB_CODECS),
                         help="only the reader's rate on a store of each of these log-prob codecs, side by side")
+    parser.add_argument("--blend", action="store_true",
+                        help="the training rows' reader on a blend of two stores against one store (issue #30)")
     parser.add_argument("--cross-tokenizer", action="store_true",
                         help="bytes/token and reader throughput of a cross-tokenizer store (issue #18)")
     args = parser.parse_args()
@@ -570,6 +607,9 @@ def main() -> None:
                 continue
             if args.reader_codecs:
                 reader_codecs(source, logits_fn, vocab, args, work, label)
+                continue
+            if args.blend:
+                blend_reader(source, logits_fn, vocab, args, work, label)
                 continue
             exact = exact_topk(source, logits_fn, args.k)
             rows = baseline_rows(exact, args.k, work)

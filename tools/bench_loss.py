@@ -16,6 +16,11 @@ thread pools). The memory floor of the fused variants (``floor GiB``) is what th
 one fp32 logits chunk + dX + dW (returned here: there is no DDP main_grad) + 12 B per teacher slot (int32 local id,
 fp32 bucket log-prob, flags; recompute keeps its fp32 support coefficients instead of dX, dW during forward).
 Ends with the analytic memory model at gpt-oss shapes.
+
+``--ensemble`` measures instead, in this one process and in alternating rounds (best of each), the fused loss
+(recompute, forward + backward) on an ensemble of two teachers of K ids each (``cache.ensemble_rows``: the two rows
+side by side, 2K slots, the ids they share merged by the loss) against one teacher of 2K distinct ids (the doubled K)
+and one of K, in CPU seconds of this process (and wall): an ensemble must cost no more than the doubled K it carries.
 """
 
 from __future__ import annotations
@@ -189,6 +194,48 @@ def _memory_model(args) -> None:
         print(f"{name:<24}{formula:<58}{_gib(fn(v))}{_gib(fn(v // 8))}")
 
 
+def ensemble_cost(args) -> None:
+    """Prints the fused loss's time on an ensemble of two K-teachers against one teacher of 2K and one of K (module
+    docstring); the second teacher shares about half its ids with the first (two teachers of one tokenizer agree on
+    the likely tokens)."""
+    import torch
+
+    from megatron_kd_plugin.cache.ensemble_rows import mixture_teacher
+    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hidden, weight, _, _, loss_mask = _inputs(args, args.tokens)
+    gen = torch.Generator().manual_seed(1)
+    t, k = args.tokens, args.k
+    doubled = torch.stack([torch.randperm(args.vocab, generator=gen)[:2 * k] for _ in range(t)])[:, None]  # [T, 1, 2K]
+    mass = torch.log(torch.tensor(0.9))                                       # each teacher's top-K mass 0.9
+    first_lp, second_lp = ((torch.randn(t, 1, k, generator=gen) * 2).log_softmax(-1) + mass for _ in range(2))
+    first = TopKTeacher(doubled[..., :k].to(torch.int32), first_lp)
+    shared = torch.cat([doubled[..., :k // 2], doubled[..., k:k + k - k // 2]], -1)   # half of its ids are first's
+    second = TopKTeacher(shared.to(torch.int32), second_lp)
+    both = TopKTeacher(doubled.to(torch.int32), torch.cat([first_lp, second_lp], -1) - torch.log(torch.tensor(2.0)))
+    teachers = {"one teacher, K": first, "one teacher, 2K distinct ids": both,
+                "ensemble of two K-teachers (2K slots)": mixture_teacher([first, second], (0.5, 0.5))}
+    best = {name: [float("inf")] * 2 for name in teachers}                      # [CPU seconds, wall seconds]
+    for _ in range(args.rounds):
+        for name, teacher in teachers.items():
+            h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+            cpu, wall = time.process_time(), time.perf_counter()
+            topk_kd_loss(h, w, teacher, loss_mask=loss_mask, chunk_bytes=args.chunk_bytes).loss_sum.backward()
+            spent = (time.process_time() - cpu, time.perf_counter() - wall)
+            best[name] = [min(a, b) for a, b in zip(best[name], spent)]
+    print(f"Fused top-K loss (recompute, ghost), forward + backward: T={t} H={args.hidden} V={args.vocab} K={k} "
+          f"{args.dtype}, torch threads {torch.get_num_threads()}, best of {args.rounds} alternating rounds, load "
+          f"average {os.getloadavg()[0]:.1f}\n")
+    print("| teacher | slots per token | CPU s | wall s | vs 2K distinct (CPU s) |")
+    print("|---|---:|---:|---:|---:|")
+    reference = best["one teacher, 2K distinct ids"][0]
+    for name, teacher in teachers.items():
+        cpu, wall = best[name]
+        print(f"| {name} | {teacher.ids.shape[-1]} | {cpu:.3f} | {wall:.3f} | {cpu / reference:.3f} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384, help="T = s * b tokens of the main table")
@@ -203,10 +250,16 @@ def main(argv=None) -> None:
                                                     "fused_grad_in_forward")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in each child (default: torch's; 1 is steadier on a busy box)")
+    parser.add_argument("--ensemble", action="store_true", help="an ensemble of two K-teachers against one teacher "
+                        "of 2K ids (module docstring)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of --ensemble")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(args)
+        return
+    if args.ensemble:
+        ensemble_cost(args)
         return
     from tqdm import tqdm
 

@@ -51,13 +51,13 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the model's parallel sizes divide the world; the dataset is a finished cache whose
-    rows fit the student (``TopKCacheDatasetProvider.row_kind``: K, vocabulary, seq_length a multiple of the
-    student's, which is the dataset's) and the loss options and parallelism (``RowKind.check``: e.g. a sampled store
-    needs kd.tail='sampled', a cross-tokenizer student no context parallelism; options measured to leave a healed
-    student worse than it started are refused, or warned about before step one: ``loss.options.check_training_options``);
-    with context parallelism 2·cp divides seq_length; virtual pipelines and multi-token-prediction heads, which the
-    KD step does not handle, are off.
+    The loss options are valid; the model's parallel sizes divide the world; every store of the dataset is a
+    finished cache whose rows fit the student (``TopKCacheDatasetProvider.row_kinds``: K, vocabulary, seq_length a
+    multiple of the student's, which is the dataset's; the stores of a blend or ensemble together) and the loss
+    options and parallelism (``RowKind.check``: e.g. a sampled store needs kd.tail='sampled', a cross-tokenizer
+    student no context parallelism; options measured to leave a healed student worse than it started are refused, or
+    warned about before step one: ``loss.options.check_training_options``); with context parallelism 2·cp divides
+    seq_length; virtual pipelines and multi-token-prediction heads, which the KD step does not handle, are off.
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -74,9 +74,11 @@ def check_kd_config(cfg: ConfigContainer) -> None:
                          " the KD step supports only None")
     check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
-    kind = cfg.dataset.row_kind(vocab_size=model.vocab_size)
-    for warning in kind.check(cfg.kd, context_parallel_size=model.context_parallel_size,
-                              heal=cfg.checkpoint.pretrained_checkpoint is not None):
+    heal = cfg.checkpoint.pretrained_checkpoint is not None
+    warned = {}                                          # each warning once, however many stores give it
+    for kind in cfg.dataset.row_kinds(vocab_size=model.vocab_size).values():
+        warned.update(dict.fromkeys(kind.check(cfg.kd, context_parallel_size=model.context_parallel_size, heal=heal)))
+    for warning in warned:
         warnings.warn(warning)   # before step one (the train command checks twice: once here, once in validate)
 
 

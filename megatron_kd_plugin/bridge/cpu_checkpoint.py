@@ -3,7 +3,7 @@
     <checkpoint.save>/latest_train_state.pt     Bridge's tracker: the TrainState of the latest save (written last)
     <checkpoint.save>/iter_0000004/             Bridge's get_checkpoint_name(save, 4)
         torch_dist shards of {"model", "optimizer", "opt_param_scheduler", "rng_state"} (Bridge's keys)
-        train_state.pt, run_config.yaml
+        train_state.pt, run_config.yaml         (the run's config: a resume checks its dataset, ``resume.py``)
         hf/                                     checkpoint.also_save_hf_checkpoint: the student as a HF folder
 
 "model" is GPTModel's own sharded state dict (TP shards as megatron saves them, so a checkpoint written at one TP
@@ -34,10 +34,8 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
+from megatron_kd_plugin.bridge.resume import TRACKER_PREFIX, check_resume_data
 from megatron_kd_plugin.cpu_compat import dist_checkpointing_on_cpu
-
-TRACKER_PREFIX = "latest"
-"""Bridge's tracker file is ``<save>/latest_train_state.pt``."""
 
 
 def _optimizer_params(optimizer) -> list[torch.nn.Parameter]:
@@ -98,10 +96,12 @@ def save_checkpoint(state, models: list, optimizer, scheduler) -> str:
 
 def load_checkpoint(state, models: list, optimizer, scheduler) -> bool:
     """Resume from the latest checkpoint in ``cfg.checkpoint.load`` (model, optimizer, scheduler, RNG, train
-    state) if it holds one; False (nothing changed) otherwise."""
+    state) if it holds one; False (nothing changed) otherwise. ValueError, before anything is loaded, when that
+    checkpoint was trained on other data (``resume.check_resume_data``)."""
     load_dir = state.cfg.checkpoint.load
     if not checkpoint_exists(load_dir):
         return False
+    check_resume_data(state.cfg)
     read_train_state.cache_clear()   # Bridge caches it by file name; a rerun in this process saved a newer one
     train_state = read_train_state(get_checkpoint_train_state_filename(load_dir, prefix=TRACKER_PREFIX))
     _init_optimizer_state(optimizer)

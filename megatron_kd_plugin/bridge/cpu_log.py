@@ -6,7 +6,8 @@
 
 - every ``logger.log_interval`` steps (and at the last one) one line on rank 0, Bridge's fields:
   ``iteration  20/ 100 | consumed samples: 160 | tokens/s: 9,876 | learning rate: 1.000e-03 | loss: 3.21 |
-  kd loss: 2.10 | lm loss: 4.32 | grad norm: 0.812`` (``lm loss`` only when the loss forms it: alpha < 1);
+  kd loss: 2.10 | lm loss: 4.32 | grad norm: 0.812`` (``lm loss`` only when the loss forms it: alpha < 1; a blend's
+  per-source figures ``kd loss [code]`` ... after them, those of the sources the step read);
 - TensorBoard scalars through Bridge's own writer (``GlobalState.tensorboard_logger``: a ``SummaryWriter`` on the
   last rank when ``logger.tensorboard_dir`` is set), tags as Bridge's loop writes them (``learning-rate``,
   ``grad-norm``, the loss names), flushed at every logged line;
@@ -80,7 +81,7 @@ class StepLog:
         if self.print_lines:
             fields = [f"iteration {done:>6}/{self.total:>6}", f"consumed samples: {done * self.global_batch}",
                       f"tokens/s: {tokens_per_s:,.0f}", f"learning rate: {row['lr']:.3e}", f"loss: {row['loss']:.6g}"]
-            fields += [f"{key}: {row[key]:.6g}" for key in ("kd loss", "lm loss") if key in row]
+            fields += [f"{key}: {row[key]:.6g}" for key in row if key.startswith(("kd loss", "lm loss"))]
             fields.append(f"grad norm: {row['grad norm']:.4g}")
             print(" | ".join(fields), flush=True)
 

@@ -46,13 +46,34 @@ from megatron_kd_plugin.bridge.forward_step import kd_forward_step
 from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds, cuda_absent, seed_model_parallel
 
 
+class MasterPortInUse(ValueError):
+    """The TCP port of ``MASTER_PORT`` (the user's choice) is taken on this machine."""
+
+
 def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
-    """gloo process group (torchrun's env, or a single local process) and megatron's parallel state, if not yet."""
+    """gloo process group and megatron's parallel state, if not yet.
+
+    Under torchrun (or with ``RANK``/``WORLD_SIZE`` set) the group comes from the environment, as torch's ``env://``
+    reads it. A single process started without them needs no port: its group rendezvous in memory (a ``HashStore``),
+    so any number of runs start side by side on one machine; only when the user set ``MASTER_PORT`` is that port
+    used, and its being taken is one line naming the variable (``MasterPortInUse``).
+    """
     if not dist.is_initialized():
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"),
-                           ("WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
-        dist.init_process_group("gloo")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            try:
+                dist.init_process_group("gloo")
+            except dist.DistNetworkError as error:
+                if "EADDRINUSE" not in str(error):
+                    raise
+                raise MasterPortInUse(
+                    f"MASTER_PORT={os.environ['MASTER_PORT']} is already in use on {os.environ['MASTER_ADDR']} "
+                    "(another run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single "
+                    "process (it then needs none)") from None
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
     initialized = parallel_state.get_tensor_model_parallel_world_size()
@@ -62,13 +83,11 @@ def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
 
 
 def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str, float]:
-    """Sum each ``[sum, count]`` pair over microbatches and data-parallel ranks -> sum / count (Bridge's rule)."""
-    metrics = {}
-    for key in reports[0]:
-        pair = torch.stack([r[key].detach().float() for r in reports]).sum(0)
-        dist.all_reduce(pair, group=dp_group)
-        metrics[key] = float(pair[0] / pair[1])
-    return metrics
+    """Sum each ``[sum, count]`` pair over microbatches and data-parallel ranks -> sum / count (Bridge's rule); a
+    figure of no tokens in this step (a blend's source no row of the step came from) is left out, not 0/0."""
+    pairs = torch.stack([torch.stack([r[key].detach().float() for r in reports]).sum(0) for key in reports[0]])
+    dist.all_reduce(pairs, group=dp_group)                                  # [figures, 2], one collective
+    return {key: float(pair[0] / pair[1]) for key, pair in zip(reports[0], pairs) if pair[1] != 0}
 
 
 def _allreduce_replicated_grads_over_tp(model, config) -> None:

@@ -30,7 +30,8 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp
     tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``).
 
     Middle pipeline stages consume nothing and get None (their input arrives from the previous stage); the first
-    stage's row holds tokens and position_ids, the last stage's labels, loss_mask and the teacher (both: all).
+    stage's row holds tokens and position_ids, the last stage's labels, loss_mask, the teacher and each row's source
+    (both: all).
     """
     if not (is_first_stage or is_last_stage):
         return None
@@ -39,9 +40,10 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp
         raise ValueError(f"the KD step's data iterator yielded a {type(batch).__name__}; it must yield KDRow "
                          "batches (a TopKCacheDatasetProvider's datasets)")
     batch = batch._replace(**{} if is_first_stage else dict(tokens=None, position_ids=None),
-                           **{} if is_last_stage else dict(labels=None, loss_mask=None, teacher=None))
+                           **{} if is_last_stage else dict(labels=None, loss_mask=None, teacher=None, source=None))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return slice_kd_batch_for_cp(tensor_map(lambda t: t.to(device, non_blocking=True), batch), cp_group)
+    batch = tensor_map(lambda t: t.to(device, non_blocking=True), batch)
+    return slice_kd_batch_for_cp(batch._replace(source=None), cp_group)._replace(source=batch.source)   # [b]: not cut
 
 
 def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
@@ -113,9 +115,17 @@ def check_no_mtp(config) -> None:
                          "prediction heads (they would build full [s, b, V] logits); set model.mtp_num_layers=None")
 
 
+def source_names(cfg) -> tuple[str, ...]:
+    """The names of the run's sources when it reads several (a blend: ``TopKCacheDatasetProvider.source_names``),
+    whose figures the loss then reports apart (``kd loss [NAME]``); () for one source, or a caller's config without
+    a KD dataset (the GPU check's)."""
+    return getattr(getattr(cfg, "dataset", None), "source_names", ())
+
+
 def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = False):
     """Bridge forward step: ``(output, partial(kd_loss_func, ...))``; reads ``state.cfg.kd`` (the run's
-    ``loss.KDLossOptions``)."""
+    ``loss.KDLossOptions``). A run of several sources (a blend) also reports each source's ``kd loss [NAME]`` (and
+    ``lm loss [NAME]``), from each row's ``source`` (``source_names``); Bridge's evaluation sums them alike."""
     if return_schedule_plan:
         raise ValueError("kd_forward_step does not build MoE overlap schedule plans "
                          "(set model.overlap_moe_expert_parallel_comm=False)")
@@ -127,9 +137,12 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     batch = batch if batch is not None else KDRow(None, None, None, None, None)
     context = None
     if batch.teacher is not None:
+        names = source_names(state.cfg)
+        groups = None if not names or batch.source is None else batch.source[None, :].expand_as(batch.labels.t())
         context = KDLossInputs(teacher=tensor_map(lambda t: t.transpose(0, 1), batch.teacher),   # [s, b, ...]
                                labels=batch.labels.t(), loss_mask=batch.loss_mask.t(), options=state.cfg.kd,
-                               tp_group=pg_collection.tp, sequence_parallel=config.sequence_parallel)
+                               tp_group=pg_collection.tp, sequence_parallel=config.sequence_parallel,
+                               groups=groups, group_names=names if groups is not None else ())
     output = model(input_ids=batch.tokens, position_ids=batch.position_ids,
                    attention_mask=_causal_mask_off_cuda(config.seq_length if batch.tokens is None
                                                         else batch.tokens.shape[1]),

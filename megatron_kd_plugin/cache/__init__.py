@@ -9,16 +9,21 @@ sample reads, ``chunk_reader.py`` the checking chunk reads under them). Student 
 protocol of a kind of row and the dataset over them), one module per kind (``topk_rows.py``, ``sampled_rows.py``,
 ``cross_tokenizer_rows.py``; the last with ``token_bytes.py``, ``align.py`` and ``student_alignments.py``: the teacher
 tokenizer's byte table, the alignment of the two tokenizations, each sample's alignment computed once), and
-``row_kinds.py``, which looks the kind up for a store and a student. The commands that drive them (``cache``,
+``row_kinds.py``, which looks the kind up for a store and a student. Several stores: ``blended_rows.py`` (a weighted
+blend of stores, megatron-core's blending order) and ``ensemble_rows.py`` (teachers over the same samples, mixed per
+token). The commands that drive them (``cache``,
 ``inspect``) are in ``megatron_kd_plugin.commands``.
 
 The names below are the interface the layers above (``bridge``, the commands) read stores through.
 """
 
+from megatron_kd_plugin.cache.blended_rows import BlendedRows, check_blend
+from megatron_kd_plugin.cache.ensemble_rows import EnsembleRows
 from megatron_kd_plugin.cache.format import CacheSpec
 from megatron_kd_plugin.cache.reader import TopKCacheReader
 from megatron_kd_plugin.cache.row_kinds import row_kind
 from megatron_kd_plugin.cache.rows import KDRow, KDRows, RowKind
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
-__all__ = ["CacheSpec", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader", "row_kind"]
+__all__ = ["BlendedRows", "CacheSpec", "EnsembleRows", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader",
+           "check_blend", "row_kind"]

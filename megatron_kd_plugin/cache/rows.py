@@ -9,6 +9,8 @@ the run (``check``). Nothing else tests which kind a store or a row is.
 Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
 from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
 samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+Each row carries the index of its store among the run's (``KDRow.source``): a blend of stores (``blended_rows``)
+reports each store's figures apart.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class KDRow(NamedTuple):
     loss_mask: torch.Tensor | None      # [S] float32 token weights, 0 = not counted
     position_ids: torch.Tensor | None   # [S] int64
     teacher: tuple | None               # the kind's typed teacher (a NamedTuple of [S, ...] tensors)
+    source: torch.Tensor | None = None  # [] int64 (batched: [b]) the row's source, its index among the run's stores
+    #                                     (``KDRows`` sets it; a blend's per-source figures: ``blended_rows``)
 
 
 def window_row(tokens: np.ndarray, teacher) -> KDRow:
@@ -47,6 +51,10 @@ class RowKind(abc.ABC):
     tokens a row. ``student`` (a ``TokenBytes`` of another identity than the store's tokenizer, or None) and
     ``alignments`` (where its alignments come from: ``sidecar`` or ``memory``) are the student's tokenizer; only
     the kind that serves another tokenizer reads them."""
+
+    teacher_type: type | None = None
+    """The type of its rows' teacher when they can blend with other stores' (``blended_rows``): K slots per token
+    (``loss.TopKTeacher``, ``loss.SampledTeacher``), padded to a common K; None: rows that read one store."""
 
     def __init__(self, reader, *, seq_length: int, student=None, alignments: str = "sidecar"):
         if seq_length < 1:
@@ -74,6 +82,14 @@ class RowKind(abc.ABC):
     def rows_per_sample(self) -> int:
         """Student rows per cached sample."""
 
+    def num_samples(self) -> int:
+        """Cached samples its rows read (sample ids 0 .. num_samples - 1)."""
+        return self.reader.spec.num_samples
+
+    def slots(self) -> int:
+        """Teacher slots per token of its rows (K), for kinds with a ``teacher_type``."""
+        return self.reader.spec.k
+
     @abc.abstractmethod
     def row(self, sample: int, window: int) -> KDRow:
         """Row ``window`` of cached sample ``sample``."""
@@ -83,9 +99,11 @@ class RowKind(abc.ABC):
 
 
 class KDRows(torch.utils.data.Dataset):
-    """``num_rows`` rows of ``kind`` drawn from the cached samples ``sample_ids`` (module docstring)."""
+    """``num_rows`` rows of ``kind`` drawn from the cached samples ``sample_ids`` (module docstring), each marked as
+    coming from source ``source`` (``KDRow.source``)."""
 
-    def __init__(self, kind: RowKind, sample_ids: np.ndarray, *, num_rows: int, seed: int, shuffle: bool = True):
+    def __init__(self, kind: RowKind, sample_ids: np.ndarray, *, num_rows: int, seed: int, shuffle: bool = True,
+                 source: int = 0):
         if len(sample_ids) == 0:
             raise ValueError("this split holds no cached samples; change the split or write a larger cache")
         self.kind = kind
@@ -95,6 +113,7 @@ class KDRows(torch.utils.data.Dataset):
         self.num_rows = num_rows
         self.seed = seed
         self.shuffle = shuffle
+        self.source = torch.tensor(source, dtype=torch.int64)
         self._epoch, self._order = -1, None
 
     def __len__(self) -> int:
@@ -113,4 +132,4 @@ class KDRows(torch.utils.data.Dataset):
         return int(self.sample_ids[sample]), offset
 
     def __getitem__(self, row: int) -> KDRow:
-        return self.kind.row(*self.window_of(int(row)))
+        return self.kind.row(*self.window_of(int(row)))._replace(source=self.source)

@@ -24,6 +24,7 @@ class SampledRows(TopKRows):
     """Windows of a sampled store for a student with the teacher's tokenizer (module docstring)."""
 
     mode = "sampled"
+    teacher_type = SampledTeacher
 
     def validate(self, *, vocab_size: int | None = None, k: int | None = None) -> None:
         super().validate(vocab_size=vocab_size, k=k)

@@ -25,6 +25,7 @@ class TopKRows(RowKind):
     """Windows of a top-K store for a student with the teacher's tokenizer (module docstring)."""
 
     mode = "topk"
+    teacher_type = TopKTeacher
 
     def __init__(self, reader, **kwargs):
         super().__init__(reader, **kwargs)

@@ -119,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_kd_plugin.bridge.config import check_kd_config
     from megatron_kd_plugin.bridge.forward_step import kd_forward_step
+    from megatron_kd_plugin.bridge.resume import check_resume_data
 
     try:
         pretrain = import_pretrain() if torch.cuda.is_available() else None   # GPU installs only: before any work
         cfg = build_config(args.recipe, args.overrides, args.config_file, args.hf_path, args.seq_length)
         check_kd_config(cfg)   # store, sizes, loss options: refuse now rather than after model setup
+        check_resume_data(cfg)   # a resume continues on the data it was trained on
     except (ImportError, ValueError, OverridesError) as error:
         print(f"train: error: {error}", file=sys.stderr)
         return 2
@@ -133,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch.distributed as dist
 
-    from megatron_kd_plugin.bridge.cpu_train import train_on_cpu
+    from megatron_kd_plugin.bridge.cpu_train import MasterPortInUse, train_on_cpu
 
-    train_on_cpu(cfg, kd_forward_step)   # logs every logger.log_interval steps; history.jsonl in tensorboard_dir
+    try:
+        train_on_cpu(cfg, kd_forward_step)   # logs every logger.log_interval steps; history.jsonl in tensorboard_dir
+    except MasterPortInUse as error:
+        print(f"train: error: {error}", file=sys.stderr)
+        return 2
     dist.destroy_process_group()
     return 0
 

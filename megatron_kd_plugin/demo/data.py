@@ -154,6 +154,11 @@ def _name_hash(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
+def is_heldout(name: str, heldout_every: int) -> bool:
+    """Whether the document named ``name`` goes to the held-out split (one name in ``heldout_every``, by hash)."""
+    return _name_hash(name) % heldout_every == 0
+
+
 def _hash_order(documents: list[Document]) -> list[Document]:
     """By a hash of the name only: the same order on every machine that has the same documents."""
     return sorted(documents, key=lambda d: (_name_hash(d.name), d.name))
@@ -236,7 +241,7 @@ def split_documents(documents: list[Document], cfg: CorpusConfig) -> dict[str, l
     budget = {"train": cfg.train_bytes, "heldout": cfg.heldout_bytes}
     used = dict.fromkeys(SPLITS, 0)
     for doc in documents:
-        name = "heldout" if _name_hash(doc.name) % cfg.heldout_every == 0 else "train"
+        name = "heldout" if is_heldout(doc.name, cfg.heldout_every) else "train"
         if used[name] < budget[name]:
             splits[name].append(doc)
             used[name] += doc.size

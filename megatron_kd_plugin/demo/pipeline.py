@@ -4,6 +4,7 @@
                                       [--corpus FOLDER_OR_JSONL [--text-key text]]
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
+    python -m megatron_kd_plugin demo --mixture ...   # data-mixture ablation: two caches, heals on three blends
 
 Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
 user runs them, and are written to ``commands.sh``):
@@ -390,6 +391,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--student-tokenizer", metavar="unigram|bpe|PATH", help="the cross-tokenizer comparison "
                         "instead: students with another tokenizer distilled from the same cache, in held-out bits "
                         "per byte (demo --student-tokenizer unigram --help)")
+    parser.add_argument("--mixture", action="store_true", help="the data-mixture ablation instead: two domains cached "
+                        "once each, the student healed on several blends (demo --mixture --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -410,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_kd_plugin.demo import scratch
 
         return scratch.main([arg for arg in argv if arg != "--from-scratch"])
+    if "--mixture" in argv:
+        from megatron_kd_plugin.demo import mixture
+
+        return mixture.main([arg for arg in argv if arg != "--mixture"])
     if any(arg == "--student-tokenizer" or arg.startswith("--student-tokenizer=") for arg in argv):
         from megatron_kd_plugin.demo import student_tokenizer
 

@@ -46,6 +46,9 @@ class LossPlan:
     grad_enabled: bool = True
     """``torch.is_grad_enabled()`` at the call. Off (``torch.no_grad()``, Bridge's evaluation loop) the Functions
     form no gradient and keep no per-token state (``input_grads``)."""
+    num_groups: int = 0
+    """G > 0: the tokens fall into G report groups (``KDBatch.group``, a blend's sources) and the totals carry each
+    group's weighted KD and CE sums after the call's own (``group_sums``)."""
 
     @property
     def ce_needs_unit_softmax(self) -> bool:
@@ -93,6 +96,7 @@ class KDBatch(NamedTuple):
     local_label: torch.Tensor | None   # [T] int64 shard-local label (clamped)
     label_local: torch.Tensor | None   # [T] bool: the label lies in this shard
     has_label: torch.Tensor | None     # [T] bool: the label is not IGNORE_INDEX (it has a CE term)
+    group: torch.Tensor | None = None  # [T] int64 report group of each token (``LossPlan.num_groups`` > 0)
 
 
 IGNORE_INDEX = -100
@@ -100,8 +104,9 @@ IGNORE_INDEX = -100
 
 
 def prepare_batch(plan: LossPlan, teacher: SlotTeacher, loss_mask: torch.Tensor,
-                  labels: torch.Tensor | None) -> KDBatch:
-    """[s, b, K] (or [T, K]) teacher and [s, b] inputs -> the flattened per-token batch (T*K work, no vocab). The
+                  labels: torch.Tensor | None, groups: torch.Tensor | None = None) -> KDBatch:
+    """[s, b, K] (or [T, K]) teacher and [s, b] inputs (``groups``: each token's report group, with
+    ``plan.num_groups`` > 0) -> the flattened per-token batch (T*K work, no vocab). The
     teacher's float64 math (``SlotTeacher.buckets``) runs over blocks of tokens (``_teacher_block_tokens``), so its
     temporaries stay within the chunk budget; its ids keep their dtype (a store's int32) up to the chunk backend."""
     t, k = loss_mask.numel(), teacher.ids.shape[-1]
@@ -125,7 +130,18 @@ def prepare_batch(plan: LossPlan, teacher: SlotTeacher, loss_mask: torch.Tensor,
         flat_labels = labels.reshape(-1).long()
         has_label = flat_labels != IGNORE_INDEX
         local_label, label_local = shard_local(flat_labels, has_label, shard.vocab_start, shard.vocab_end)
-    return KDBatch(buckets, local_ids, local_valid, weight, local_label, label_local, has_label)
+    group = None if groups is None else groups.reshape(-1).long()
+    return KDBatch(buckets, local_ids, local_valid, weight, local_label, label_local, has_label, group)
+
+
+def group_sums(num_groups: int, group: torch.Tensor | None, weighted: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+    """[G * 2]: per report group g < G = ``num_groups``, (sum of the weighted KD values, of the weighted CE values)
+    of its tokens. group [c] int64 (None with G = 0: an empty tensor); weighted: w_t f_t and w_t CE_t [c]."""
+    sums = weighted[0].new_zeros(num_groups, 2)
+    if num_groups:
+        sums.index_add_(0, group, torch.stack(weighted, dim=-1))
+    return sums.reshape(-1)
 
 
 def _teacher_block_tokens(plan: LossPlan, k: int, device: torch.device) -> int:
@@ -168,7 +184,8 @@ def _coef_buffers(plan: LossPlan, batch: KDBatch) -> ChunkCoefs:
 
 def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_grad: GradSink | None,
                  keep_coefs: bool, per_token: PerToken | None = None) -> tuple[torch.Tensor, SavedCoefs | None]:
-    """Loss totals [kd_sum, ce_sum, student_mass_sum] (weighted, unscaled) and, if ``keep_coefs``, the coefficients
+    """Loss totals [kd_sum, ce_sum, student_mass_sum, then each report group's kd and ce sums] (weighted, unscaled;
+    ``group_sums``) and, if ``keep_coefs``, the coefficients
     for ``backward_pass``. With ``on_grad`` each chunk's d loss_sum / d r goes to it during the pass. With
     ``per_token`` (recompute only, labels formed) the pass fills its per-token values, and the saved coefficients
     are the KD term's (alpha = 1) and the CE term's (alpha = 0) apart."""
@@ -179,7 +196,7 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
     kd_options = options if per_token is None else dataclasses.replace(options, alpha=1.0)
     ce_options = dataclasses.replace(options, alpha=0.0) if per_token is not None and keep_coefs else None
     backend = chunk_backend(plan, batch)
-    totals = torch.zeros(3, dtype=plan.dtype, device=batch.weight.device)
+    totals = torch.zeros(3 + 2 * plan.num_groups, dtype=plan.dtype, device=batch.weight.device)
     saved = None
     if keep_coefs:
         saved = SavedCoefs(batch.weight.new_empty(num_tokens), _coef_buffers(plan, batch),
@@ -200,8 +217,10 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
         if per_token is not None:
             per_token.ce[rows] = terms.ce
             per_token.kd[rows] = terms.kd * options.temperature ** 2
-        totals += torch.stack([(weight * terms.kd).sum(), (weight * terms.ce).sum(),
-                               torch.where(counted, terms.student_mass, terms.kd.new_zeros(())).sum()])
+        weighted = (weight * terms.kd, weight * terms.ce)
+        totals += torch.cat([torch.stack([weighted[0].sum(), weighted[1].sum(),
+                                          torch.where(counted, terms.student_mass, terms.kd.new_zeros(())).sum()]),
+                             group_sums(plan.num_groups, None if batch.group is None else batch.group[rows], weighted)])
         if on_grad is not None or saved is not None:
             coefs = backend.coefs(rows, terms, partials)
             if on_grad is not None:

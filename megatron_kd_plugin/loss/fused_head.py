@@ -91,13 +91,15 @@ def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: to
 
 
 def loss_totals(ctx, plan: LossPlan, totals: torch.Tensor):
-    """[kd_sum, ce_sum, mass_sum] -> (loss_sum, kd_sum, ce_sum, mass_sum) as fp32 scalars (float64 for float64),
-    the outputs of every loss Function's forward; only loss_sum is differentiable (``ctx`` is that Function's)."""
+    """[kd_sum, ce_sum, mass_sum, the report groups' sums (G * 2)] -> (loss_sum, kd_sum, ce_sum, mass_sum as fp32
+    scalars (float64 for float64), group sums [G, 2]: each group's kd and ce sums), the outputs of every loss
+    Function's forward; only loss_sum is differentiable (``ctx`` is that Function's)."""
     options = plan.options
-    kd_sum, ce_sum, mass_sum = (t.clone() for t in totals.unbind())
+    kd_sum, ce_sum, mass_sum = (t.clone() for t in totals[:3].unbind())
+    groups = totals[3:].reshape(-1, 2).clone()
     loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
-    ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum)
-    return loss_sum, kd_sum, ce_sum, mass_sum
+    ctx.mark_non_differentiable(kd_sum, ce_sum, mass_sum, groups)
+    return loss_sum, kd_sum, ce_sum, mass_sum, groups
 
 
 def _weight_blocks(weight: torch.Tensor, dtype: torch.dtype, block_rows: int):
@@ -231,7 +233,7 @@ def _recompute_backward(ctx, grad_scale: torch.Tensor, ce_scale: torch.Tensor | 
 
 
 class _FusedTopKKL(torch.autograd.Function):
-    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum).
+    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum, group sums [G, 2]).
 
     dW goes into ``weight.main_grad`` (``MainGrad``) when ``plan.accumulate_main_grad`` finds one; ``recompute`` then
     accumulates each chunk's dW there directly, ``grad_in_forward`` adds its held dW scaled by the incoming gradient
@@ -271,7 +273,8 @@ class _FusedTopKKL(torch.autograd.Function):
 
 
 def fused_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
-    """hidden [T, H] (already mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum)."""
+    """hidden [T, H] (already mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum,
+    group sums [G, 2])."""
     return _FusedTopKKL.apply(hidden, weight, plan, batch)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .chunk_loop import KDBatch, LossPlan, forward_pass
+from .chunk_loop import KDBatch, LossPlan, forward_pass, group_sums
 from .fused_head import input_grads, loss_totals
 from .options import KDLossOptions
 from .teacher import SlotTeacher
@@ -23,9 +23,11 @@ from .tp import VocabShard
 
 
 def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher: SlotTeacher, loss_mask: torch.Tensor,
-                  labels: torch.Tensor | None, options: KDLossOptions, shard: VocabShard, dtype: torch.dtype):
+                  labels: torch.Tensor | None, options: KDLossOptions, shard: VocabShard, dtype: torch.dtype,
+                  groups: torch.Tensor | None = None, num_groups: int = 0):
     """hidden [T, H] (mapped into the TP region), weight [V/tp, H], teacher [T, K] (its dense definition:
-    ``SlotTeacher.dense_kd``), loss_mask/labels [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
+    ``SlotTeacher.dense_kd``), loss_mask/labels/groups [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum, group
+    sums [G, 2])."""
     tau = options.temperature
     logits = hidden.to(dtype) @ weight.to(dtype).t()                         # [T, V/tp]
     if shard.group is not None:
@@ -33,26 +35,21 @@ def dense_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher: SlotTeach
 
         logits = gather_from_tensor_model_parallel_region(logits, group=shard.group)   # [T, V]
     weights = loss_mask.to(dtype)
-    ce_sum = weights.new_zeros(())
+    counted = loss_mask != 0
+    ce = weights.new_zeros(weights.shape)
     if labels is not None:                                                   # CE at tau = 1
-        ce = F.cross_entropy(logits, labels.long(), reduction="none")
-        ce_sum = (weights * torch.where(loss_mask != 0, ce, 0.0)).sum()
+        ce = weights * torch.where(counted, F.cross_entropy(logits, labels.long(), reduction="none"), 0.0)
     log_q = (logits if tau == 1.0 else logits / tau).log_softmax(-1)         # [T, V] student log q
     kd, student_mass = teacher.dense_kd(logits.detach(), log_q, options)
-    return _sums(kd, student_mass, ce_sum, loss_mask, options)
-
-
-def _sums(kd, student_mass, ce_sum, loss_mask, options: KDLossOptions):
-    """Per-token kd [T] and student mass [T] -> (loss_sum, kd_sum, ce_sum, student_mass_sum) over counted tokens."""
-    counted = loss_mask != 0
-    kd_sum = (loss_mask.to(kd.dtype) * torch.where(counted, kd, 0.0)).sum()
-    mass_sum = torch.where(counted, student_mass, 0.0).sum()
+    kd = weights * torch.where(counted, kd, 0.0)                            # [T] w_t f_t
+    kd_sum, ce_sum = kd.sum(), ce.sum()
     loss_sum = options.alpha * options.temperature ** 2 * kd_sum + (1.0 - options.alpha) * ce_sum
-    return loss_sum, kd_sum.detach(), ce_sum.detach(), mass_sum
+    groups = group_sums(num_groups, groups, (kd.detach(), ce.detach())).reshape(-1, 2)
+    return (loss_sum, kd_sum.detach(), ce_sum.detach(), torch.where(counted, student_mass, 0.0).sum(), groups)
 
 
 class _ChunkedLogitsKL(torch.autograd.Function):
-    """logits [T, V/tp] -> (loss_sum, kd_sum, ce_sum, student_mass_sum)."""
+    """logits [T, V/tp] -> (loss_sum, kd_sum, ce_sum, student_mass_sum, group sums [G, 2])."""
 
     @staticmethod
     def forward(ctx, logits, plan: LossPlan, batch: KDBatch):
@@ -77,6 +74,7 @@ class _ChunkedLogitsKL(torch.autograd.Function):
 
 
 def forward_chunked_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
-    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum)."""
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum, group
+    sums [G, 2])."""
     logits = hidden @ weight.t()                                             # [T, V/tp]
     return _ChunkedLogitsKL.apply(logits, plan, batch)

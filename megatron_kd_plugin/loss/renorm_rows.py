@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_loop import KDBatch, LossPlan
+from .chunk_loop import KDBatch, LossPlan, group_sums
 from .fused_head import finish_grad, input_grads, loss_totals, main_grad_of
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
@@ -31,7 +31,7 @@ def _support_rows(weight: torch.Tensor, local_ids: torch.Tensor, dtype: torch.dt
 
 
 class _RenormRowsKL(torch.autograd.Function):
-    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum = NaN)."""
+    """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum = NaN, group sums [G, 2])."""
 
     @staticmethod
     def forward(ctx, hidden, weight, plan: LossPlan, batch: KDBatch):
@@ -57,7 +57,9 @@ class _RenormRowsKL(torch.autograd.Function):
                     x = hidden[rows].to(dtype)                                         # [c, H]
                     d_weight.index_put_((ids.reshape(-1).long(),), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1),
                                         accumulate=True)   # deterministic on CUDA (sorted), unlike index_add_
-        totals = torch.stack([(batch.weight * terms.kd).sum(), g.new_zeros(()), g.new_tensor(torch.nan)])
+        weighted_kd = batch.weight * terms.kd
+        totals = torch.cat([torch.stack([weighted_kd.sum(), g.new_zeros(()), g.new_tensor(torch.nan)]),
+                            group_sums(plan.num_groups, batch.group, (weighted_kd, torch.zeros_like(weighted_kd)))])
         ctx.grads, ctx.input_dtypes = (d_hidden, d_weight), (hidden.dtype, weight.dtype)
         ctx.main_grad = main_grad_of(weight, dtype, plan.accumulate_main_grad) if d_weight is not None else None
         return loss_totals(ctx, plan, totals)
@@ -78,5 +80,6 @@ class _RenormRowsKL(torch.autograd.Function):
 
 
 def renorm_rows_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
-    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum)."""
+    """hidden [T, H] (mapped into the TP region), weight [V/tp, H] -> (loss_sum, kd_sum, ce_sum, mass_sum, group
+    sums [G, 2])."""
     return _RenormRowsKL.apply(hidden, weight, plan, batch)

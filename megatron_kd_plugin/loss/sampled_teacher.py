@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .options import KDLossOptions
-from .teacher import TeacherBuckets, merge_duplicate_ids, sorted_runs
+from .teacher import TeacherBuckets, merge_duplicate_ids, pad_slots, sorted_runs
 
 
 class SampledTeacher(NamedTuple):
@@ -23,6 +23,10 @@ class SampledTeacher(NamedTuple):
         if tail != "sampled":
             raise ValueError(f"a SampledTeacher with tail={tail!r}: tail='sampled' takes exactly a SampledTeacher "
                              "(drawn ids with their importance weights), the other tails a TopKTeacher")
+
+    def padded(self, k: int) -> SampledTeacher:
+        """The same draws in ``k`` >= N slots: undrawn slots (id 0, log-prob -inf, weight 0) appended."""
+        return SampledTeacher(*pad_slots((self.ids, self.logprobs, self.weights), k, (0, -torch.inf, 0.0)))
 
     def mass(self) -> torch.Tensor:
         """The mass of the distinct drawn ids (a repeated draw is counted once)."""

@@ -30,6 +30,10 @@ class KDLossInputs:
     """The tensor-parallel group of the lm_head shard (None: no TP)."""
     sequence_parallel: bool = False
     """hidden arrives as this rank's [s/tp, b, H] sequence shard."""
+    groups: torch.Tensor | None = None
+    """[s, b] int: each token's report group (a blend's source store), or None."""
+    group_names: tuple[str, ...] = ()
+    """The groups' names: the report then also holds ``kd loss [NAME]`` (and ``lm loss [NAME]``) per group."""
 
 
 def kd_loss(hidden: torch.Tensor, weight: torch.Tensor, inputs: KDLossInputs) -> KDLossResult:
@@ -39,7 +43,12 @@ def kd_loss(hidden: torch.Tensor, weight: torch.Tensor, inputs: KDLossInputs) ->
     common = dict(loss_mask=inputs.loss_mask, options=options, tp_group=inputs.tp_group,
                   sequence_parallel=inputs.sequence_parallel)
     if isinstance(teacher, CrossTokenizerTeacher):
+        if inputs.group_names:
+            raise ValueError(f"report groups {inputs.group_names} with cross-tokenizer rows: that loss reports one "
+                             "group (a cross-tokenizer student reads one store)")
         return cross_tokenizer_loss(hidden, weight, teacher, labels=inputs.labels, **common)
     if isinstance(teacher, (TopKTeacher, SampledTeacher)):
-        return topk_kd_loss(hidden, weight, teacher, labels=inputs.labels if options.alpha < 1.0 else None, **common)
+        return topk_kd_loss(hidden, weight, teacher, labels=inputs.labels if options.alpha < 1.0 else None,
+                            groups=inputs.groups if inputs.group_names else None, group_names=inputs.group_names,
+                            **common)
     raise TypeError(f"no KD loss takes a {type(teacher).__name__} teacher")

@@ -66,6 +66,10 @@ class SlotTeacher(Protocol):
         """[T, K] slots -> (ids [T, K] sorted per token in their dtype, a repeated id merged into its first slot;
         the float64 buckets). ``vocab_size``: V (padded, all ranks)."""
 
+    def padded(self, k: int) -> SlotTeacher:
+        """The same teacher in ``k`` >= K slots per token (padding slots hold no support): rows of stores of
+        different K side by side (a blend, ``cache.blended_rows``)."""
+
     def mass(self) -> torch.Tensor:
         """[...] the untempered mass of the slots (float64)."""
 
@@ -73,6 +77,15 @@ class SlotTeacher(Protocol):
                  options: KDLossOptions) -> tuple[torch.Tensor, torch.Tensor]:
         """The definition on the full vocab (the dense reference): raw logits [T, V], the student's log q at tau
         [T, V] -> (KD f [T], differentiable through log_q; student mass on the support [T])."""
+
+
+def pad_slots(tensors: tuple[torch.Tensor, ...], k: int, fills: tuple[float, ...]) -> list[torch.Tensor]:
+    """Each [..., K] tensor widened to [..., k] with its ``fills`` value in the new slots (ValueError if k < K)."""
+    width = tensors[0].shape[-1]
+    if k < width:
+        raise ValueError(f"cannot pad {width} slots to {k}")
+    return [t if k == width else torch.cat([t, t.new_full((*t.shape[:-1], k - width), fill)], dim=-1)
+            for t, fill in zip(tensors, fills, strict=True)]
 
 
 def sorted_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 
 from .divergence import bucket_divergence
 from .options import KDLossOptions
-from .teacher import TeacherBuckets, merge_duplicate_ids
+from .teacher import TeacherBuckets, merge_duplicate_ids, pad_slots
 
 
 class TopKTeacher(NamedTuple):
@@ -26,6 +26,10 @@ class TopKTeacher(NamedTuple):
         if tail == "sampled":
             raise ValueError("a TopKTeacher with tail='sampled': tail='sampled' takes exactly a SampledTeacher (drawn "
                              "ids with their importance weights), the other tails a TopKTeacher")
+
+    def padded(self, k: int) -> TopKTeacher:
+        """The same teacher in ``k`` >= K slots: padding slots (id 0, log-prob -inf: no support) appended."""
+        return TopKTeacher(*pad_slots((self.ids, self.logprobs), k, (0, -torch.inf)))
 
     def mass(self) -> torch.Tensor:
         """sum_k exp(l_k) (repeated slots split an id's mass)."""

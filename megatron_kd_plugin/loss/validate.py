@@ -53,12 +53,27 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, teacher: SlotTeache
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
+def check_groups(groups: torch.Tensor | None, group_names: tuple[str, ...], tokens: tuple[int, ...]) -> None:
+    """ValueError unless report groups are an integer [s, b] tensor with at least one name, or absent."""
+    if groups is None:
+        if group_names:
+            raise ValueError(f"group_names={tuple(group_names)} without groups: pass each token's group [s, b]")
+        return
+    if not group_names:
+        raise ValueError("groups without group_names: name each report group")
+    if tuple(groups.shape) != tuple(tokens) or not _is_int(groups):
+        raise ValueError(f"groups must be an integer [s, b] = {tuple(tokens)} tensor, got {tuple(groups.shape)} "
+                         f"{groups.dtype}")
+
+
 def check_values(teacher: SlotTeacher, loss_mask: torch.Tensor, labels: torch.Tensor | None,
-                 options: KDLossOptions, vocab_size: int) -> None:
+                 options: KDLossOptions, vocab_size: int, groups: torch.Tensor | None = None,
+                 num_groups: int = 0) -> None:
     """Raise ValueError for ids outside [0, V), NaN/+inf or positive log-probs (-inf is padding: probability 0),
     the teacher's mass (``SlotTeacher.mass``) above 1 + mass_tolerance, labels outside [0, V) on counted tokens
-    (IGNORE_INDEX = -100 is allowed: no CE term), or slot weights that are not finite and >= 0. One host
-    sync; none for an empty batch (s = 0 or b = 0: nothing to check, the loss is 0)."""
+    (IGNORE_INDEX = -100 is allowed: no CE term), slot weights that are not finite and >= 0, or report groups
+    outside [0, num_groups). One host sync; none for an empty batch (s = 0 or b = 0: nothing to check, the loss
+    is 0)."""
     teacher_ids, slot_weights = teacher.ids, teacher.weights
     if teacher_ids.numel() == 0:
         return
@@ -72,12 +87,17 @@ def check_values(teacher: SlotTeacher, loss_mask: torch.Tensor, labels: torch.Te
     weight_stats = [logprobs.new_zeros(())] * 2                              # [non-finite count, min]
     if slot_weights is not None:
         weight_stats = [(~slot_weights.isfinite()).sum().double(), slot_weights.double().min()]
+    group_range = [0.0, 0.0] if groups is None else [groups.min(), groups.max()]
     stats = torch.stack([teacher_ids.min().double(), teacher_ids.max().double(),
                          logprobs.isnan().sum().double(), (logprobs == torch.inf).sum().double(),
                          finite.max(), teacher.mass().max(),
-                         *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device) for v in label_range),
-                         *weight_stats])
-    id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max, bad_weights, weight_min = stats.tolist()
+                         *(torch.as_tensor(v, dtype=torch.float64, device=logprobs.device)
+                           for v in (*label_range, *group_range)), *weight_stats])
+    (id_min, id_max, nans, pos_inf, lp_max, mass_max, label_min, label_max, group_min, group_max, bad_weights,
+     weight_min) = stats.tolist()
+    if groups is not None and (group_min < 0 or group_max >= num_groups):
+        raise ValueError(f"groups must lie in [0, {num_groups}) (one per group name), got min {int(group_min)} max "
+                         f"{int(group_max)}")
     if id_min < 0 or id_max >= vocab_size:
         raise ValueError(f"teacher_ids must lie in [0, V={vocab_size}), got min {int(id_min)} max {int(id_max)}")
     if nans or pos_inf:
