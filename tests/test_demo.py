@@ -295,9 +295,11 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     heal = next(line for line in (folder / "commands.sh").read_text().splitlines()
                 if " train " in line and "kd.alpha=0.0" not in line)
     rerun = tmp_path / "rerun"
-    arguments = [arg.replace(str(folder / "heal_kd"), str(rerun)) for arg in shlex.split(heal)[1:]]
+    threads, python, *arguments = shlex.split(heal)                # OMP_NUM_THREADS=N python -m megatron_kd_plugin ...
+    assert threads.startswith("OMP_NUM_THREADS=") and python == "python", heal
+    arguments = [arg.replace(str(folder / "heal_kd"), str(rerun)) for arg in arguments]
     again = subprocess.run([sys.executable, *arguments], cwd=REPO_ROOT, capture_output=True, text=True, timeout=scaled(600),
-                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS=threads.split("=")[1]))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     from megatron_kd_plugin.bridge.cpu_log import read_history
 

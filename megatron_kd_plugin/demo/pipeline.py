@@ -149,15 +149,17 @@ PRESETS = {
 def run_command(command: list[str], log: pathlib.Path, commands: pathlib.Path, *, threads: int | None = None,
                 ) -> None:
     """Run one of the package's commands as a user would (``python -m megatron_kd_plugin ...``), its output shown
-    and kept in ``log``, the command appended to ``commands``; CalledProcessError when it fails."""
+    and kept in ``log``, the command appended to ``commands`` with its ``OMP_NUM_THREADS`` (a CPU run's float sums
+    follow the thread count: the line reruns to the last bit); CalledProcessError when it fails."""
     from megatron_kd_plugin.demo.teacher_training import free_port
 
-    shown = " ".join(shlex.quote(part) for part in ["python", *command[1:]])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))   # the user's setting wins
+    shown = " ".join(shlex.quote(part) for part in [f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", "python",
+                                                    *command[1:]])
     print(f"[demo] {shown}", flush=True)
     with commands.open("a") as f:
         f.write(shown + "\n")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))   # the user's setting wins
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in process.stdout:
