@@ -3,9 +3,12 @@ student with another tokenizer get from the same cache?
 
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe [--preset default|mini] [--output DIR] [--reuse]
                                       [--alm ALPHA:TAU[:GAMMA] ...] [--steps N] [--teacher-steps N] [--seed N]
+                                      [--corpus FOLDER_OR_JSONL [--text-key text]]
     python -m megatron_kd_plugin demo --student-tokenizer PATH ...   # your tokenizer.json (or a folder holding one)
 
-Corpus: the running interpreter's stdlib ``*.py`` sources, whole files split into train and held-out by name hash.
+Corpus: the running interpreter's stdlib ``*.py`` sources, or ``--corpus`` a folder of text files / a JSONL file (its
+text under ``--text-key``), read as the main demo reads them (``demo.data``); whole documents split into train and
+held-out (one in 8) by a hash of their name.
 Tokenizer A (the teacher's): byte-level BPE; tokenizer B (the student's): ``unigram`` trains a Unigram (Metaspace) on
 the train split, ``bpe`` a byte-level BPE on every other train document, all of ``vocab`` ids; a PATH is used as it is
 (it must be lossless on the text: ``token_bytes.check_lossless``). Teacher: a GPT (``teacher_layers`` x
@@ -34,16 +37,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import pathlib
 import sys
-import sysconfig
 import time
 
 import numpy as np
 import torch
+
+from megatron_kd_plugin.demo.data import CorpusConfig, CorpusError, corpus_documents, split_documents
 
 RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 
@@ -72,6 +75,10 @@ class CrossTokConfig:
     lr: float = 3e-3
     seed: int | None = None
     """The students' rng.seed and dataset.seed (None: the recipe's); the teacher keeps the recipe's."""
+    corpus: str | None = None
+    """A folder of text files or a JSONL file (``demo.data.CorpusConfig.source``); None: the stdlib sources."""
+    text_key: str = "text"
+    """The field holding a JSONL record's text."""
 
 
 PRESETS = {
@@ -82,16 +89,13 @@ PRESETS = {
 }
 
 
-def corpus(max_bytes: int, heldout_bytes: int) -> tuple[list[str], list[str]]:
-    """(train, held-out) stdlib sources; one file in 8 (by name hash) is held out."""
-    train, heldout, sizes = [], [], [0, 0]
-    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        side = int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 8 == 0
-        if sizes[side] < (heldout_bytes if side else max_bytes):
-            (heldout if side else train).append(text)
-            sizes[side] += len(text.encode())
-    return train, heldout
+def corpus(cfg: CrossTokConfig) -> tuple[list[str], list[str]]:
+    """(train, held-out) texts: the documents of ``cfg.corpus`` (the stdlib sources when None), one in 8 held out by
+    a hash of its name, each split filled up to its byte budget (``demo.data``, the main demo's corpus reader)."""
+    source = CorpusConfig(source=cfg.corpus, text_key=cfg.text_key, train_bytes=cfg.train_bytes,
+                          heldout_bytes=cfg.heldout_bytes, heldout_every=8)
+    splits = split_documents(corpus_documents(source), source)
+    return [doc.read() for doc in splits["train"]], [doc.read() for doc in splits["heldout"]]
 
 
 STUDENT_KINDS = ("unigram", "bpe")
@@ -220,11 +224,14 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
     from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
     from megatron_kd_plugin.cache.writer import write_cache
 
-    train_texts, heldout = corpus(cfg.train_bytes, cfg.heldout_bytes)
+    train_texts, heldout = corpus(cfg)
     store, teacher_row = out / "teacher_xtok.zarr", out / "teacher.json"
     if reuse and store.is_dir() and teacher_row.is_file():
-        tok_a, tok_b = out / "tokenizers" / "a.json", pathlib.Path(json.loads(teacher_row.read_text())["student"])
-        return tok_a, tok_b, store, heldout, json.loads(teacher_row.read_text())
+        row = json.loads(teacher_row.read_text())
+        if row.get("corpus") != cfg.corpus:
+            raise CorpusError(f"--reuse: the teacher and store in {out} were made from the corpus {row.get('corpus')!r}, "
+                              f"not {cfg.corpus!r}; drop --reuse or use another --output")
+        return out / "tokenizers" / "a.json", pathlib.Path(row["student"]), store, heldout, row
     tok_a, tok_b = train_tokenizers(train_texts, cfg.vocab, out / "tokenizers",
                                     student_tokenizer if student_tokenizer in STUDENT_KINDS else "unigram")
     if student_tokenizer not in STUDENT_KINDS:
@@ -249,7 +256,8 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
                 teacher="demo-crosstok-teacher", samples_per_shard=16, progress=False, vocab_table=table_a,
                 overwrite=True)
     row = dict(name=f"teacher (A, {cfg.teacher_layers}x{cfg.teacher_hidden})",
-               bpb=bits_per_byte(teacher, tok_a, heldout, seq), seconds=seconds, student=str(tok_b.resolve()))
+               bpb=bits_per_byte(teacher, tok_a, heldout, seq), seconds=seconds, student=str(tok_b.resolve()),
+               corpus=cfg.corpus)
     teacher_row.write_text(json.dumps(row) + "\n")
     return tok_a, tok_b, store, heldout, row
 
@@ -351,14 +359,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
+    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
+                        "text files (one document each, read as UTF-8) or a .jsonl file (one JSON object per line, its "
+                        "text under --text-key), as the main demo reads it")
+    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
     args = parser.parse_args(argv)
     changes = {name: getattr(args, name) for name in ("steps", "teacher_steps", "vocab", "train_bytes",
-                                                      "heldout_bytes", "teacher_hidden", "alpha", "seed")
+                                                      "heldout_bytes", "teacher_hidden", "alpha", "seed", "corpus")
                if getattr(args, name) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset], **changes)
     cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else tuple((cfg.alpha, 1.0, gamma)
                                                                               for gamma in (0.0, 0.5, 1.0)))
-    result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
+    cfg = dataclasses.replace(cfg, text_key=args.text_key)
+    try:
+        result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
+    except CorpusError as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2
     print(result["table"])
     print(f"\n[demo] results in {args.output}/results.md")
     return 0
