@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import math
+import pathlib
 import pickle
 
 import numpy as np
@@ -1016,24 +1017,38 @@ def test_bridge_path_forward_step_refusals_and_tp2_training(tmp_path):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
 
 
-def test_demo_student_tokenizer_mini_reports_every_model_in_bits_per_byte(tmp_path):
-    """``demo --student-tokenizer bpe --preset mini``: teacher, A-ce, A-kd, B-ce and one B-kd row per --alm (one
-    with the token-level term), finite bits per byte, the segment/CE gradient-norm ratio of each ALM run, the pair
-    coverage in the summary."""
-    import json
+def test_demo_student_tokenizer_mini_on_a_jsonl_corpus_reports_every_model_in_bits_per_byte(tmp_path):
+    """``demo --student-tokenizer bpe --preset mini --corpus FILE.jsonl --text-key body``: teacher, A-ce, A-kd, B-ce and
+    one B-kd row per --alm (one with the token-level term), finite bits per byte, the segment/CE gradient-norm ratio
+    of each ALM run, the token-level coverage in the summary; the corpus is the file's (recorded with the teacher),
+    ``--reuse`` of another corpus and a missing corpus are refused in one line."""
     import subprocess
     import sys
+    import sysconfig
 
     from tests.distributed import scaled
 
-    command = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "bpe", "--preset",
-               "mini", "--output", str(tmp_path), "--alm", "1:4", "0.5:1:0.5"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(900))
+    sources = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))
+    records = [json.dumps({"id": i, "body": path.read_text(encoding="utf-8", errors="replace")[:3000]})
+               for i, path in enumerate(sources[:40])]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(records) + "\n")
+    out = tmp_path / "out"
+    demo = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--student-tokenizer", "bpe", "--preset", "mini",
+            "--output", str(out)]
+    done = subprocess.run(demo + ["--corpus", str(corpus), "--text-key", "body", "--alm", "1:4", "0.5:1:0.5"],
+                          capture_output=True, text=True, timeout=scaled(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {row["name"]: row for row in json.loads((tmp_path / "results.json").read_text())}
-    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-kd alpha=1 tau=4 gamma=0", "B-kd alpha=0.5 tau=1 gamma=0.5"]
-    assert list(rows)[0].startswith("teacher")
-    assert all(0 < row["bpb"] < 10 for row in rows.values())
+    rows = {row["name"]: row for row in json.loads((out / "results.json").read_text())}
+    assert list(rows)[1:] == ["A-ce", "A-kd", "B-ce", "B-kd alpha=1 tau=4 gamma=0", "B-kd alpha=0.5 tau=1 gamma=0.5",
+                              "coverage"]
+    assert list(rows)[0].startswith("teacher") and rows[list(rows)[0]]["corpus"] == str(corpus)
+    assert all(0 < row["bpb"] < 10 for name, row in rows.items() if name != "coverage")
     assert rows["B-kd alpha=1 tau=4 gamma=0"]["segment_pull"] > 0
-    assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and " at a pair token " in done.stdout
-    assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["pairs"] > 0
+    assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and "the token-level term covers" in done.stdout
+    assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["covered"] > 0.9 and rows["coverage"]["covered"] > 0.9
+    again = subprocess.run(demo + ["--reuse"], capture_output=True, text=True, timeout=scaled(300))
+    assert again.returncode == 2 and "made from the corpus" in again.stderr, again.stderr[-2000:]
+    missing = subprocess.run(demo + ["--corpus", str(tmp_path / "none.jsonl")], capture_output=True, text=True,
+                             timeout=scaled(300))
+    assert missing.returncode == 2 and "demo: error: --corpus" in missing.stderr and "no such file" in missing.stderr

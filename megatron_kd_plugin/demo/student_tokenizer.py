@@ -22,7 +22,7 @@ same text), steps and learning-rate schedule, each through ``train_on_cpu``:
     B-ce     tokenizer B, hard labels only                      (the cross-tokenizer rows, kd.alpha = 0)
     B-kd     tokenizer B, cross-tokenizer KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]`` (kd.alpha,
              kd.temperature of the segment term, kd.token_weight = GAMMA: 0 the ALM segment term alone, 1 the
-             token-level term alone, the teacher's top-K in B's ids of identical strings at the pair tokens;
+             token-level term alone: the teacher's candidates read as B's next token at every position;
              default ``alpha``:1:GAMMA for GAMMA = 0, 0.5, 1)
 
 Metric: bits per byte on the held-out text, bpb = sum of -log2 q(token) over predicted tokens / their bytes (each
@@ -265,8 +265,6 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
 def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "unigram", reuse: bool = False) -> dict:
     """Every stage into ``out``; returns {"rows": [...], "table": markdown}."""
     from megatron_kd_plugin.cache import KDRows, TokenBytes, TopKCacheReader, row_kind
-    from megatron_kd_plugin.loss import tensor_map
-    from megatron_kd_plugin.loss.cross_tokenizer_loss import pair_teacher
 
     out.mkdir(parents=True, exist_ok=True)
     tok_a, tok_b, store, heldout, teacher_row = prepare(cfg, out, student_tokenizer, reuse)
@@ -304,17 +302,17 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     labels = float(np.mean([float(r.loss_mask.sum()) for r in b_rows]))
     segmented = float(np.mean([float((r.teacher.segment_ids >= 0).sum() / max(float(r.loss_mask.sum()), 1.0))
                                for r in b_rows]))
-    pair_logprobs = [pair_teacher(tensor_map(lambda t: t[:, None], r.teacher)).logprobs[:, 0]   # [S_s, K]
-                     for r in b_rows]
-    pair_rows = [r.teacher.pair_positions >= 0 for r in b_rows]
-    paired = float(np.mean([float(p.sum()) / max(float(r.loss_mask.sum()), 1.0) for p, r in zip(pair_rows, b_rows)]))
-    mapped = float(torch.cat([lp[p].exp().sum(-1) for p, lp in zip(pair_rows, pair_logprobs)]).mean())
+    coverage = token_coverage(b_rows, reader, table_b)
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment, {paired:.3f} at a "
-             f"pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
-             f"{mapped:.3f} of its mass", "",
+             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment; the token-level "
+             f"term covers {coverage['covered']:.3f} of them ({coverage['boundary']:.3f} at a teacher token boundary, "
+             f"{coverage['inside']:.3f} inside a teacher token), where {coverage['mass']:.3f} of the teacher's "
+             f"probability reaches a B token; the context-free first token of the realised teacher token's bytes is B's "
+             f"own next token at {coverage['agree boundary']:.3f} of the boundary positions and "
+             f"{coverage['agree inside']:.3f} of those inside a token (B's token runs past the teacher token at "
+             f"{coverage['runs past']:.3f} of all)", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | segment/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -325,8 +323,54 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
         lines.append(f"| {row['name']} | {row['bpb']:.4f} | {gain} | {fraction} | {pull} | {row['seconds']:.0f} |")
     text = "\n".join(lines)
     (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    return {"rows": rows, "table": text}
+    (out / "results.json").write_text(json.dumps(rows + [dict(name="coverage", **coverage)], indent=1,
+                                                 default=str) + "\n")
+    return {"rows": rows, "table": text, "coverage": coverage}
+
+
+def token_coverage(rows: list, reader, student) -> dict[str, float]:
+    """The token-level term on ``rows`` (B's ``KDRow``s of ``reader``'s first samples): the fractions of the labels it
+    covers (at a teacher token boundary / inside a teacher token), the mean teacher probability reaching a B token
+    there, and how often ``first_tokens``' context-free first token of the realised teacher token's remaining bytes
+    is B's own next token (at the boundary positions / inside a token; ``runs past``: B's next token ends after the
+    realised teacher token, where no first token of it can be)."""
+    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.align import byte_ends
+    from megatron_kd_plugin.cache.first_tokens import FirstTokens
+    from megatron_kd_plugin.cache.token_slots import read_positions
+    from megatron_kd_plugin.loss import tensor_map
+    from megatron_kd_plugin.loss.cross_tokenizer_loss import token_teacher
+
+    counts = dict.fromkeys(("labels", "covered", "boundary", "inside", "mass"), 0.0)
+    for row in rows:
+        target = token_teacher(tensor_map(lambda t: t[:, None], row.teacher), row.labels[:, None])
+        probs = target.logprobs[:, 0].double().exp().sum(-1)                                  # [S_s]
+        covered = (probs > 0) & (row.loss_mask > 0)
+        boundary = covered & (row.teacher.token_positions >= 0)
+        counts["labels"] += float(row.loss_mask.sum())
+        counts["covered"] += float(covered.sum())
+        counts["boundary"] += float(boundary.sum())
+        counts["inside"] += float((covered & ~boundary).sum())
+        counts["mass"] += float(probs[covered].sum())
+    teacher = reader.vocab_table()
+    table = FirstTokens.compute(teacher, student)
+    agree = dict.fromkeys(("boundary", "inside", "agree boundary", "agree inside", "runs past"), 0)
+    for sample in range(len(rows)):
+        tokens = reader.sample_arrays(sample, (fmt.TOKENS,))[fmt.TOKENS].astype(np.int64)
+        teacher_ends, ids, ends, _ = byte_ends(tokens, teacher, student)
+        sources, offsets = read_positions(teacher_ends, ends)
+        j = np.flatnonzero(sources >= 0)
+        t, o = sources[j], offsets[j]
+        same = table.first[table.base[tokens[t + 1]] + o] == ids[j + 1]
+        for name, where in (("boundary", o == 0), ("inside", o > 0)):
+            agree[name] += int(where.sum())
+            agree["agree " + name] += int((same & where).sum())
+        agree["runs past"] += int((ends[j + 1] > teacher_ends[t + 1]).sum())
+    labels = max(counts["labels"], 1.0)
+    return dict(covered=counts["covered"] / labels, boundary=counts["boundary"] / labels,
+                inside=counts["inside"] / labels, mass=counts["mass"] / max(counts["covered"], 1.0),
+                **{f"agree {name}": agree[f"agree {name}"] / max(agree[name], 1) for name in ("boundary", "inside")},
+                **{"runs past": agree["runs past"] / max(agree["boundary"] + agree["inside"], 1)})
 
 
 def kd_name(alpha: float, tau: float, gamma: float) -> str:
