@@ -509,6 +509,28 @@ def test_encode_is_the_tokenizers_own(tokenizers_pair):
         assert table.encode_batch(TEXTS[:5]) == [table.encode(t) for t in TEXTS[:5]]
 
 
+def test_tokenizer_transfer_starts_each_new_row_from_the_old_rows_that_spell_it(tokenizers_pair):
+    """The transferred student's embedding row of a B token is the mean of the teacher's rows of the A tokens that
+    spell its string, its output row the first one's; B ids A cannot spell take the mean rows."""
+    from megatron_kd_plugin.demo.tokenizer_transfer import EMBEDDING, OUTPUT, spellings, transferred_state
+
+    a, b = tokenizers_pair
+    g = torch.Generator().manual_seed(0)
+    state = {EMBEDDING: torch.randn(len(a.strings), 5, generator=g), OUTPUT: torch.randn(len(a.strings), 5, generator=g),
+             "other": torch.ones(2)}
+    new = transferred_state(state, a, b, len(b.strings) + 3)
+    assert new["other"] is state["other"] and new[EMBEDDING].shape == (len(b.strings) + 3, 5)
+    kinds = collections.Counter()
+    for token, ids in enumerate(spellings(a, b)):
+        if ids:
+            assert b"".join(a.strings[i] for i in ids) == b.strings[token]
+            torch.testing.assert_close(new[EMBEDDING][token], state[EMBEDDING][ids].mean(0))
+            torch.testing.assert_close(new[OUTPUT][token], state[OUTPUT][ids[0]])
+        kinds["one" if len(ids) == 1 else "several" if ids else "none"] += 1
+    torch.testing.assert_close(new[EMBEDDING][-1], state[EMBEDDING].mean(0))
+    assert kinds["one"] and kinds["several"], kinds
+
+
 # ---- store and dataset --------------------------------------------------------------------------------------------
 
 def small_store(path, teacher: TokenBytes, *, n: int = 8, seq: int = 24, fingerprint: str = "xtok"):
@@ -1021,7 +1043,8 @@ def test_demo_student_tokenizer_mini_on_a_jsonl_corpus_reports_every_model_in_bi
     """``demo --student-tokenizer bpe --preset mini --corpus FILE.jsonl --text-key body``: teacher, A-ce, A-kd, B-ce and
     one B-kd row per --alm (one with the token-level term), finite bits per byte, the segment/CE gradient-norm ratio
     of each ALM run, the token-level coverage in the summary; the corpus is the file's (recorded with the teacher),
-    ``--reuse`` of another corpus and a missing corpus are refused in one line."""
+    ``--reuse`` of another corpus and a missing corpus are refused in one line; the tokenizer-transfer demo heals the
+    teacher with B's vocabulary from the same folder."""
     import subprocess
     import sys
     import sysconfig
@@ -1047,6 +1070,14 @@ def test_demo_student_tokenizer_mini_on_a_jsonl_corpus_reports_every_model_in_bi
     assert rows["B-kd alpha=1 tau=4 gamma=0"]["segment_pull"] > 0
     assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and "the token-level term covers" in done.stdout
     assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["covered"] > 0.9 and rows["coverage"]["covered"] > 0.9
+    transfer = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--tokenizer-transfer", "bpe", "--preset", "mini",
+                "--output", str(out), "--reuse", "--corpus", str(corpus)]
+    done = subprocess.run(transfer, capture_output=True, text=True, timeout=scaled(900))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    healed = {row["name"]: row for row in json.loads((out / "transfer_results.json").read_text())}
+    assert list(healed)[1:] == ["transferred (B, before healing)", "KD-healed (token-level term, alpha=0.5)",
+                                "CE-healed"] and all(0 < row["bpb"] < 10 for row in healed.values())
+    assert healed["KD-healed (token-level term, alpha=0.5)"]["last"]["covered"] > 0.9
     again = subprocess.run(demo + ["--reuse"], capture_output=True, text=True, timeout=scaled(300))
     assert again.returncode == 2 and "made from the corpus" in again.stderr, again.stderr[-2000:]
     missing = subprocess.run(demo + ["--corpus", str(tmp_path / "none.jsonl")], capture_output=True, text=True,

@@ -4,6 +4,7 @@
                                       [--corpus FOLDER_OR_JSONL [--text-key text]]
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
+    python -m megatron_kd_plugin demo --tokenizer-transfer unigram|bpe|PATH ...  # the teacher with a new tokenizer
 
 Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
 user runs them, and are written to ``commands.sh``):
@@ -350,6 +351,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--student-tokenizer", metavar="unigram|bpe|PATH", help="the cross-tokenizer comparison "
                         "instead: students with another tokenizer distilled from the same cache, in held-out bits "
                         "per byte (demo --student-tokenizer unigram --help)")
+    parser.add_argument("--tokenizer-transfer", metavar="unigram|bpe|PATH", help="the tokenizer-transfer demo "
+                        "instead: the teacher's weights with a new tokenizer, healed by cross-tokenizer KD against CE "
+                        "(demo --tokenizer-transfer unigram --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -374,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_kd_plugin.demo import student_tokenizer
 
         return student_tokenizer.main(argv)
+    if any(arg == "--tokenizer-transfer" or arg.startswith("--tokenizer-transfer=") for arg in argv):
+        from megatron_kd_plugin.demo import tokenizer_transfer
+
+        return tokenizer_transfer.main(argv)
     args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
                                                ("heal_steps", args.heal_steps)) if value is not None}

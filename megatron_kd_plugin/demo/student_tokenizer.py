@@ -49,6 +49,8 @@ import torch
 from megatron_kd_plugin.demo.data import CorpusConfig, CorpusError, corpus_documents, split_documents
 
 RECIPE = "tiny_gpt_kd_cpu_fp32_config"
+TEACHER_WEIGHTS = "teacher.pt"
+"""The teacher's state dict in the output folder (the tokenizer-transfer demo's starting point)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -252,6 +254,7 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
         cfg, plain, vocab, seq, cfg.teacher_steps, "kd.alpha=0.0", "dataset.k=1",
         f"model.num_layers={cfg.teacher_layers}", f"model.hidden_size={cfg.teacher_hidden}",
         f"model.ffn_hidden_size={4 * cfg.teacher_hidden}", "model.num_attention_heads=4"))
+    torch.save(teacher.state_dict(), out / TEACHER_WEIGHTS)
     write_cache(source, lambda tokens: logits_of(teacher, tokens).transpose(0, 1), store, k=cfg.k, vocab_size=vocab,
                 teacher="demo-crosstok-teacher", samples_per_shard=16, progress=False, vocab_table=table_a,
                 overwrite=True)
