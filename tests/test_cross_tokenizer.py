@@ -708,19 +708,20 @@ def loss_inputs(seed=0, s=11, b=3, h=7, v=30):
 
 def token_inputs(labels, seed=1, cached=7, v=30, k=4, j=3):
     """The token-level term's row arrays in [s, b] order (``CrossTokenizerTeacher``'s token fields) for ``labels``
-    [s, b]: ``cached`` cached positions of K + 1 slots (a third of the ids unmapped: -1, a repeated id in some rows,
-    the realised one in slot K at half the positions, else in the top-K), about half the student positions reading
-    one of them (a boundary position), a quarter with 1..J candidates of their own (inside a teacher token)."""
+    [s, b]: ``cached`` cached positions of a top-K (a third of the ids unmapped: -1, a repeated id in some rows) and
+    the realised token (in the top-K at half of them), about half the student positions reading one of them (a
+    boundary position), a quarter with 1..J candidates of their own (inside a teacher token)."""
     g = torch.Generator().manual_seed(seed)
     s, b = labels.shape
-    ids = torch.randint(0, v, (cached, b, k + 1), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, v, (cached, b, k), generator=g, dtype=torch.int32)
     ids[::3, :, 1] = ids[::3, :, 0]                                                    # repeats: merged buckets
-    ids = ids.masked_fill(torch.rand(cached, b, k + 1, generator=g) < 0.3, -1)
+    ids = ids.masked_fill(torch.rand(cached, b, k, generator=g) < 0.3, -1)
     draws = -torch.rand(cached, b, k + 2, generator=g, dtype=torch.float64).log()      # Dirichlet(1) over K + 2
-    logprobs = (draws / draws.sum(-1, keepdim=True))[..., :k + 1].log()
+    logprobs = (draws / draws.sum(-1, keepdim=True)).log()
     in_topk = torch.rand(cached, b, generator=g) < 0.5
-    realised = torch.where(in_topk, torch.randint(0, k, (cached, b), generator=g), k)
-    logprobs[..., k] = logprobs[..., k].masked_fill(in_topk, -torch.inf)
+    realised_slots = torch.where(in_topk, torch.randint(0, k, (cached, b), generator=g), k)
+    realised = torch.where(in_topk, logprobs[..., :k].gather(-1, realised_slots.clamp(max=k - 1)[..., None])[..., 0],
+                           logprobs[..., k])
     kind = torch.rand(s, b, generator=g)
     positions = torch.where(kind < 0.5, torch.randint(0, cached, (s, b), generator=g), -1)
     counts = torch.where((kind >= 0.5) & (kind < 0.75), torch.randint(1, j + 1, (s, b), generator=g), 0)
@@ -728,24 +729,27 @@ def token_inputs(labels, seed=1, cached=7, v=30, k=4, j=3):
     mid_ids = torch.randint(0, v, (s, b, j), generator=g, dtype=torch.int32).masked_fill(~present, -1)
     mid_draws = -torch.rand(s, b, j + 1, generator=g, dtype=torch.float64).log()
     mid_logprobs = (mid_draws / mid_draws.sum(-1, keepdim=True))[..., :j].log().masked_fill(~present, -torch.inf)
-    return positions, ids, logprobs, realised, mid_ids, mid_logprobs
+    return positions, ids, logprobs[..., :k], realised, realised_slots, mid_ids, mid_logprobs
 
 
 def expected_token_targets(teacher: CrossTokenizerTeacher, labels):
     """(ids, log-probs) [s, b, K + 1] of each position's token-level teacher (-inf: none), from the row fields'
-    meaning written out: a boundary position the K + 1 slots of its cached position, its realised slot the label,
-    unmapped slots dropped; a position inside a teacher token its own candidates."""
+    meaning written out: a boundary position the top-K of its cached position, unmapped ids dropped, and the
+    realised token (its top-K slot, or its own), whose id is the label; a position inside a teacher token its own
+    candidates."""
     s, b = labels.shape
-    width = teacher.token_ids.shape[-1]
-    ids, logprobs = torch.zeros(s, b, width, dtype=torch.long), torch.full((s, b, width), -math.inf,
+    k = teacher.token_ids.shape[-1]
+    ids, logprobs = torch.zeros(s, b, k + 1, dtype=torch.long), torch.full((s, b, k + 1), -math.inf,
                                                                            dtype=torch.float64)
     for pos in range(s):
         for col in range(b):
             u = int(teacher.token_positions[pos, col])
             if u >= 0:
-                slots = [(int(labels[pos, col]) if slot == int(teacher.realised_slots[u, col])
-                          else int(teacher.token_ids[u, col, slot]), float(teacher.token_logprobs[u, col, slot]))
-                         for slot in range(width)]
+                slots = list(zip(teacher.token_ids[u, col].tolist(), teacher.token_logprobs[u, col].tolist()))
+                realised = int(teacher.realised_slots[u, col])
+                if realised == k:
+                    slots.append((0, float(teacher.realised_logprobs[u, col])))
+                slots[realised] = (int(labels[pos, col]), slots[realised][1])
             else:
                 slots = list(zip(teacher.mid_ids[pos, col].tolist(), teacher.mid_logprobs[pos, col].tolist()))
             for slot, (w, lp) in enumerate(slots):
@@ -766,7 +770,8 @@ def cross_teacher(segment_ids, teacher_segments, tokens=None) -> CrossTokenizerT
     s, b = segment_ids.shape
     if tokens is None:
         tokens = (torch.full((s, b), -1), torch.zeros(s, b, 0, dtype=torch.int32), torch.zeros(s, b, 0),
-                  torch.zeros(s, b, dtype=torch.long), torch.zeros(s, b, 0, dtype=torch.int32), torch.zeros(s, b, 0))
+                  torch.zeros(s, b), torch.zeros(s, b, dtype=torch.long), torch.zeros(s, b, 0, dtype=torch.int32),
+                  torch.zeros(s, b, 0))
     return CrossTokenizerTeacher(segment_ids, teacher_segments, *tokens)
 
 
@@ -816,7 +821,7 @@ def test_token_weight_needs_the_top_k_and_lies_in_0_1():
     with pytest.raises(ValueError, match="token_weight=1.5: expected 0 <= token_weight <= 1"):
         cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher), labels=labels, token_weight=1.5)
     tokens = token_inputs(labels)
-    beyond = (tokens[0], tokens[1].masked_fill(tokens[1] >= 0, 30), *tokens[2:])
+    beyond = (tokens[0], tokens[1].masked_fill(tokens[1] >= 0, 30), *tokens[2:])   # top-K ids outside the vocab
     with pytest.raises(ValueError, match=r"teacher_ids must lie in \[0, V=30\)"):
         cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher, beyond), labels=labels,
                              token_weight=0.5)

@@ -24,16 +24,18 @@ teacher, a ``CrossTokenizerTeacher``:
     segment_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
 
 Token-level term (``token_slots``: its per-sample part; the definition is ``loss.cross_tokenizer_loss``'s): with a
-top-K store the row holds the sample's K + 1 slots once per cache position, mapped to the student's first tokens, and
-per student position where to read them (a boundary position) or its own candidates (inside a teacher token):
+top-K store the row holds the sample's candidates once per cache position, the top-K mapped to the student's first
+tokens and the realised token, and per student position where to read them (a boundary position) or its own
+candidates (inside a teacher token):
     token_positions [S_s] int64: t_p at a boundary position p (o_p = 0), -1 elsewhere,
-    token_ids [S, K + 1] int32: ``first_tokens.vocab_map`` of the cached top-K ids (-1: none); slot K: 0,
-    token_logprobs [S, K + 1] float (the store's dtype): the cached log-probs; slot K the realised log-prob where the
-        top-K lacks the realised token, else -inf,
-    realised_slots [S] int64: r_t (the loss puts the student's label there),
+    token_ids [S, K] int32: ``first_tokens.vocab_map`` of the cached top-K ids (-1: none),
+    token_logprobs [S, K]: the cached log-probs (as read: the store's dtype),
+    realised_logprobs [S]: ``teacher_realised_logprob`` (as read), the realised token's candidate where the top-K
+        lacks it (slot K),
+    realised_slots [S] int64: r_t (K: not in the top-K; the loss puts the student's label there),
     mid_ids [S_s, J] int32, mid_logprobs [S_s, J] float32: inside a teacher token the position's candidates (-1, -inf:
         none), J = min(``token_slots.MID_CANDIDATES``, K + 1);
-K + 1 = J = 0 for a store without a top-K.
+K = J = 0 for a store without a top-K.
 
 Two steps: ``align_sample`` (the encode, the segment indices k(b_j), k(e_i) and, with the top-K, the token slots: no
 seq_length; what ``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row).
@@ -194,22 +196,16 @@ def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq
 
 def _token_arrays(slots: TokenSlots | None, topk: TeacherTopK | None, vocab_map: np.ndarray | None,
                   realised_logprobs: np.ndarray, m: int, seq_length: int) -> tuple[np.ndarray, ...]:
-    """(token_positions [S_s], token_ids, token_logprobs [S, K + 1], realised_slots [S], mid_ids, mid_logprobs
-    [S_s, J]) of the row's first ``m`` positions (module docstring)."""
+    """(token_positions [S_s], token_ids, token_logprobs [S, K], realised_logprobs, realised_slots [S], mid_ids,
+    mid_logprobs [S_s, J]) of the row's first ``m`` positions (module docstring)."""
     num_cached = len(realised_logprobs)
     positions = np.full(seq_length, -1, dtype=np.int64)
     if topk is None:
-        empty = np.zeros((seq_length, 0))
         return (positions, np.zeros((num_cached, 0), np.int32), np.zeros((num_cached, 0), np.float32),
-                np.zeros(num_cached, np.int64), empty.astype(np.int32), empty.astype(np.float32))
+                realised_logprobs, np.zeros(num_cached, np.int64), np.zeros((seq_length, 0), np.int32),
+                np.zeros((seq_length, 0), np.float32))
     k = topk.ids.shape[1]
-    token_ids = np.empty((num_cached, k + 1), dtype=np.int32)
-    token_ids[:, :k] = vocab_map[topk.ids]
-    token_ids[:, k] = 0
-    realised = slots.realised.astype(np.int64)
-    token_logprobs = np.empty((num_cached, k + 1), dtype=np.result_type(topk.logprobs, realised_logprobs))
-    token_logprobs[:, :k] = topk.logprobs
-    token_logprobs[:, k] = np.where(realised == k, realised_logprobs, -np.inf)
+    token_ids = np.take(vocab_map, topk.ids, mode="clip")                               # [S, K]
     counts = slots.mid_counts[:m]
     positions[:m] = np.where(counts == 0, slots.sources[:m], -1)
     width = min(MID_CANDIDATES, k + 1)
@@ -221,4 +217,5 @@ def _token_arrays(slots: TokenSlots | None, topk: TeacherTopK | None, vocab_map:
         columns = np.arange(total) - np.repeat(np.cumsum(counts, dtype=np.int64) - counts, counts)
         mid_ids[rows, columns] = slots.mid_ids[:total]
         mid_logprobs[rows, columns] = slots.mid_logprobs[:total]
-    return positions, token_ids, token_logprobs, realised, mid_ids, mid_logprobs
+    return (positions, token_ids, topk.logprobs, realised_logprobs, slots.realised.astype(np.int64), mid_ids,
+            mid_logprobs)

@@ -23,10 +23,11 @@ The teacher's distribution over the student's next token, and the rest of its ma
              MID_CANDIDATES candidates are kept, the realised one and the most probable others)
     P_t(ghost) = 1 - sum_w P_t(w)          (the teacher's tail, candidates reaching no student token)
 A position is covered when some candidate reaches a student token (every position after the teacher's first token,
-unless the realised log-prob is -inf); the rows carry the slots (``cache.align``: ``token_positions``, ``token_ids``,
-``token_logprobs``, ``realised_slots``, ``mid_ids``, ``mid_logprobs``) and ``token_teacher`` expands them on the
-device into a top-K teacher [s, b, K + 1] in the student's ids, and the token-level divergence is the top-K loss's
-with the ghost tail and no temperature (``token_math``: repeated ids merged, K + 1 buckets and the tail):
+unless the realised log-prob is -inf); the rows carry the candidates (``cache.align``: ``token_positions``,
+``token_ids``, ``token_logprobs``, ``realised_logprobs``, ``realised_slots``, ``mid_ids``, ``mid_logprobs``),
+``token_teacher`` expands them on the device into a top-K teacher [s, b, K + 1] in the student's ids, and the
+token-level divergence is the top-K loss's with the ghost tail and no temperature (``token_math``: repeated ids
+merged, the buckets and the tail):
     f_t = divergence(P_t, Q_t) over the buckets                [T]   0 where no slot is covered
     P = the counted covered tokens
 Segment term (weight 1 - gamma): segment c of sample b (the bytes between two common token boundaries,
@@ -71,36 +72,41 @@ EPS = 1e-6
 
 class CrossTokenizerTeacher(NamedTuple):
     """A teacher cached with another tokenizer, aligned to the student's tokens (``cache.align``): per student
-    position its ALM segment and where its token-level slots are, per segment the teacher's log-likelihood, the
-    sample's K + 1 slots per cached position (in the student's first tokens) and the candidates of the positions
-    inside a teacher token. Shapes batch-first as a dataset yields them ([b, S_s] student positions, [b, S, K + 1]
-    cached positions); the loss takes them in [s, b] order (``tensor_map`` of a transpose). K + 1 = J = 0 where the
-    store holds no top-K (a sampled store)."""
+    position its ALM segment and where its token-level candidates are, per segment the teacher's log-likelihood, the
+    sample's candidates per cached position (the top-K in the student's first tokens, and the realised token) and
+    the candidates of the positions inside a teacher token. Shapes batch-first as a dataset yields them ([b, S_s]
+    student positions, [b, S, K] cached positions); the loss takes them in [s, b] order (``tensor_map`` of a
+    transpose). K = J = 0 where the store holds no top-K (a sampled store)."""
 
     segment_ids: torch.Tensor        # [b, S_s] int64: the segment of each label within its sample, -1: none
     segment_logprobs: torch.Tensor   # [b, S_s] float: entry c = t_c of the sample's segment c (rows beyond unused)
     token_positions: torch.Tensor    # [b, S_s] int64: the cached position u a boundary position reads, -1 elsewhere
-    token_ids: torch.Tensor          # [b, S, K + 1] int32: the slots' students' first tokens mu (-1: none)
-    token_logprobs: torch.Tensor     # [b, S, K + 1] float: their log-probs (slot K: the realised one or -inf)
-    realised_slots: torch.Tensor     # [b, S] int64: the realised token's slot (its mu is the label)
+    token_ids: torch.Tensor          # [b, S, K] int32: the top-K's students' first tokens mu (-1: none)
+    token_logprobs: torch.Tensor     # [b, S, K] float: the top-K's log-probs
+    realised_logprobs: torch.Tensor  # [b, S] float: the realised token's log-prob (candidate K unless in the top-K)
+    realised_slots: torch.Tensor     # [b, S] int64: the realised token's slot, K: not in the top-K (its mu: the label)
     mid_ids: torch.Tensor            # [b, S_s, J] int32: inside a teacher token, the position's candidates' mu (-1)
     mid_logprobs: torch.Tensor       # [b, S_s, J] float: their log p_v - log Z_t, -inf: none
 
 
 def token_teacher(teacher: CrossTokenizerTeacher, labels: torch.Tensor) -> TopKTeacher:
-    """The token-level term's teacher at each student position (module docstring; [s, b] order): the slots of the
-    cached position a boundary position reads, its realised slot the position's label (``labels`` [S_s, b]), or a
-    position's own candidates inside a teacher token -> ids and log-probs [S_s, b, K + 1] in the student's ids, -inf
-    (and id 0) where none."""
+    """The token-level term's teacher at each student position (module docstring; [s, b] order): the K + 1
+    candidates of the cached position a boundary position reads, the realised one's id the position's label
+    (``labels`` [S_s, b]), or a position's own candidates inside a teacher token -> ids and log-probs [S_s, b, K + 1]
+    in the student's ids, -inf (and id 0) where none."""
     positions = teacher.token_positions                                                      # [S_s, b]
-    width = teacher.token_ids.shape[-1]
+    k = teacher.token_ids.shape[-1]
     index = positions.clamp(min=0)
-    ids = teacher.token_ids.gather(0, index[..., None].expand(-1, -1, width)).long()           # [S_s, b, K + 1]
-    dtype = torch.promote_types(teacher.token_logprobs.dtype, teacher.mid_logprobs.dtype)
-    logprobs = teacher.token_logprobs.gather(0, index[..., None].expand(-1, -1, width)).to(dtype)
+    dtype = torch.promote_types(torch.promote_types(teacher.token_logprobs.dtype, teacher.realised_logprobs.dtype),
+                                teacher.mid_logprobs.dtype)
     realised = teacher.realised_slots.gather(0, index)[..., None]                            # [S_s, b, 1]
-    ids = ids.scatter(-1, realised, labels.long().clamp(min=-1)[..., None])           # IGNORE_INDEX: no slot
-    pad = width - teacher.mid_ids.shape[-1]
+    outside = teacher.realised_logprobs.gather(0, index)[..., None].to(dtype)                # candidate K
+    ids = teacher.token_ids.gather(0, index[..., None].expand(-1, -1, k)).long()              # [S_s, b, K]
+    ids = torch.cat([ids, torch.zeros_like(ids[..., :1])], -1).scatter(-1, realised, labels.long().clamp(min=-1)[
+        ..., None])                                                                           # IGNORE_INDEX: none
+    logprobs = teacher.token_logprobs.gather(0, index[..., None].expand(-1, -1, k)).to(dtype)
+    logprobs = torch.cat([logprobs, torch.where(realised == k, outside, -torch.inf)], -1)     # [S_s, b, K + 1]
+    pad = k + 1 - teacher.mid_ids.shape[-1]
     mid_ids = torch.nn.functional.pad(teacher.mid_ids.long(), (0, pad), value=-1)
     mid_logprobs = torch.nn.functional.pad(teacher.mid_logprobs.to(dtype), (0, pad), value=-torch.inf)
     boundary = (positions >= 0)[..., None]
@@ -133,8 +139,8 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
 
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab shard),
     labels int [s, b] (global ids, IGNORE_INDEX = -100: none), teacher in [s, b] order (``CrossTokenizerTeacher``:
-    segment_ids, segment_logprobs, token_positions [s, b], token_ids, token_logprobs [S, b, K + 1], realised_slots
-    [S, b], mid_ids, mid_logprobs [s, b, J]), loss_mask [s, b] (default 1). Every TP rank returns the same sums;
+    segment_ids, segment_logprobs, token_positions [s, b], token_ids, token_logprobs [S, b, K], realised_logprobs,
+    realised_slots [S, b], mid_ids, mid_logprobs [s, b, J]), loss_mask [s, b] (default 1). Every TP rank returns the same sums;
     hidden's gradient is all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings, dW goes
     to the weight's fp32 ``main_grad`` when it has one (``accumulate_main_grad``). Of ``options`` (with ``option_overrides``) it reads ``divergence``, ``jsd_beta``,
     ``temperature`` (the binarisation's), ``alpha``, ``token_weight``, ``chunk_bytes``, ``kernels``: divergence on
