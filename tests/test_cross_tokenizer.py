@@ -1076,7 +1076,7 @@ def test_demo_student_tokenizer_mini_on_a_jsonl_corpus_reports_every_model_in_bi
     assert "| B-kd alpha=0.5 tau=1 gamma=0.5 |" in done.stdout and "the token-level term covers" in done.stdout
     assert rows["B-kd alpha=0.5 tau=1 gamma=0.5"]["last"]["covered"] > 0.9 and rows["coverage"]["covered"] > 0.9
     transfer = [sys.executable, "-m", "megatron_kd_plugin", "demo", "--tokenizer-transfer", "bpe", "--preset", "mini",
-                "--output", str(out), "--reuse", "--corpus", str(corpus)]
+                "--output", str(out), "--reuse", "--corpus", str(corpus), "--text-key", "body"]
     done = subprocess.run(transfer, capture_output=True, text=True, timeout=scaled(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     healed = {row["name"]: row for row in json.loads((out / "transfer_results.json").read_text())}
