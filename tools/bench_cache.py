@@ -513,6 +513,13 @@ def cross_tokenizer_runs(args) -> None:
             sidecar_sizes.append(f"| {name} | {sum(parts.values()) / tokens:.1f} | "
                                  + " | ".join(f"{size / tokens:.2f}" for size in parts.values())
                                  + f" | {files['vocab_map']:,} |")
+        from megatron_kd_plugin.cache.first_tokens import FirstTokens
+
+        for name, student in students.items():
+            cpu = time.process_time()
+            table = FirstTokens.compute(teacher, student)
+            print(f"\nfirst-token table of the teacher ({int((teacher.lengths > 0).sum()):,} strings, "
+                  f"{len(table.first):,} entries) and {name}: {time.process_time() - cpu:.2f} CPU s")
         print("\nsidecar bytes per teacher token (`<store>.align-*`, raw arrays; the vocab map once per store)\n")
         print("| student | all | " + " | ".join(groups) + " | vocab_map bytes |\n|---|" + "---:|" * (len(groups) + 2))
         print("\n".join(sidecar_sizes))
