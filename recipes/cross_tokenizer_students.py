@@ -1,14 +1,14 @@
-"""Cross-tokenizer distillation (issue #18): a student with its own tokenizer learns from a teacher's cache
-(``megatron_kd_plugin.loss.cross_tokenizer``): the token-level term (the teacher's top-K in the student's ids of
-identical strings, at the tokens where both tokenizers cut the text alike) and, with ``kd.token_weight`` < 1, the
-approximate-likelihood-matching segment term. Measured (docs/loss.md), students trained from random weights: the
-token-level term alone (``kd.token_weight=1``) wins 0.42 of the same-tokenizer KD gain against a related tokenizer
-(byte-level BPE against byte-level BPE) and 0.24 against an unrelated one (BPE against Unigram); the segment term cost
-quality in both, so these recipes leave it out.
+"""Cross-tokenizer distillation (issues #18, #31): a student with its own tokenizer learns from a teacher's cache
+(``megatron_kd_plugin.loss.cross_tokenizer``): the token-level term (at every student position, the teacher's
+candidates read as the student's next token through their first student tokens) and, with ``kd.token_weight`` < 1,
+the approximate-likelihood-matching segment term. Measured (docs/loss.md), students trained from random weights: the
+token-level term alone (``kd.token_weight=1``, ``kd.alpha=0.5``) wins 0.93 of the same-tokenizer KD gain against a
+related tokenizer (byte-level BPE against byte-level BPE) and 0.35 against an unrelated one (a Unigram against a
+byte-level BPE); the segment term cost quality in both, so these recipes leave it out.
 
 The cache must be written with ``--cross-tokenizer`` (each token's realised log-prob and the teacher tokenizer's
 byte table) and a top-K; ``dataset.student_tokenizer`` is the student's tokenizer (a HF student's checkpoint folder
-by default), and every cached sample is re-tokenised by it and cut at a chunk boundary to the student's seq_length.
+by default), and every cached sample is re-tokenised by it and cut at a segment boundary to the student's seq_length.
 
     python -m megatron_kd_plugin cache --teacher /models/Llama-3.1-8B --data text.jsonl --seq-length 8192 \
         --topk 100 --cross-tokenizer --output outputs/caches/llama3_8b_xtok_8k.zarr

@@ -170,23 +170,25 @@ def test_triton_cross_tokenizer_loss_matches_float64():
     kernels, fp32 inputs, chunks of 4 tokens: loss and both gradients against tests/test_cross_tokenizer.py's float64
     reference, ALM alone and with the token-level term."""
     from megatron_kd_plugin.loss import cross_tokenizer_loss, tensor_map
-    from tests.test_cross_tokenizer import CASES, cross_teacher, loss_inputs, pair_inputs, reference_loss
+    from tests.test_cross_tokenizer import (CASES, cross_teacher, expected_token_targets, loss_inputs, reference_loss,
+                                            token_inputs)
 
     inputs = loss_inputs()
-    ids, logprobs = (t.to(DEVICE) for t in pair_inputs())
     for case in CASES:
         hidden = inputs[0].float().to(DEVICE).requires_grad_()
         weight = inputs[1].float().to(DEVICE).requires_grad_()
-        pairs = (ids, logprobs.float()) if "token_weight" in case else None
-        teacher = tensor_map(lambda t: t.to(DEVICE), cross_teacher(inputs[3], inputs[4], pairs))
+        tokens = token_inputs(inputs[2]) if "token_weight" in case else None
+        exact_teacher = cross_teacher(inputs[3], inputs[4], tokens)
+        teacher = tensor_map(lambda t: (t.float() if t.is_floating_point() else t).to(DEVICE), exact_teacher)
         result = cross_tokenizer_loss(hidden, weight, teacher, labels=inputs[2].to(DEVICE),
                                       loss_mask=inputs[5].to(DEVICE), chunk_bytes=4 * 30 * 4, kernels="triton",
                                       **case)
         result.loss_sum.backward()
         exact_hidden = hidden.detach().double().cpu().requires_grad_()      # the same rounded inputs
         exact_weight = weight.detach().double().cpu().requires_grad_()
-        reference_pairs = {} if pairs is None else dict(teacher_ids=ids.cpu(), teacher_logprobs=logprobs.cpu())
-        expected = reference_loss(exact_hidden, exact_weight, *inputs[2:], **case, **reference_pairs)
+        targets = {} if tokens is None else dict(zip(("teacher_ids", "teacher_logprobs"),
+                                                     expected_token_targets(exact_teacher, inputs[2])))
+        expected = reference_loss(exact_hidden, exact_weight, *inputs[2:], **case, **targets)
         expected.backward()
         errors = [rel_err(result.loss_sum.cpu(), expected), rel_err(hidden.grad.cpu(), exact_hidden.grad),
                   rel_err(weight.grad.cpu(), exact_weight.grad)]

@@ -501,8 +501,8 @@ def cross_tokenizer_runs(args) -> None:
         ids = np.arange(len(source))
         print("\nteacher tokens/s per CPU second of this process, random order; first pass: a new dataset (and for "
               "the cross-tokenizer rows the alignment work it needs first), steady: best of 5 later passes\n")
-        print("| reader | student tokens / teacher token | labels in a used segment | labels at a pair token "
-              "| first pass | ratio | steady | ratio |")
+        print("| reader | student tokens / teacher token | labels in a used segment | labels the token-level term "
+              "covers | first pass | ratio | steady | ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
         def passes(make, setup=lambda data: None):
@@ -520,6 +520,7 @@ def cross_tokenizer_runs(args) -> None:
         base_first, base = first, steady
         print(f"| top-K rows (same tokenizer, K={args.k}) | 1 | 1 | 1 | {first:,.0f} | 1.00 | {steady:,.0f} "
               "| 1.00 |")
+        sidecar_sizes = []
         for name, student in students.items():
             sidecar = work / f"{name}.align"
             make = lambda: KDRows(row_kind(reader, seq_length=2 * args.seq_length, student=student,  # noqa: E731
@@ -534,10 +535,29 @@ def cross_tokenizer_runs(args) -> None:
                     rows = [data[i] for i in range(len(source))]
                     labels = sum(float(r.loss_mask.sum()) for r in rows)
                     segmented = sum(int((r.teacher.segment_ids >= 0).sum()) for r in rows)
-                    paired = sum(int((r.teacher.pair_positions >= 0).sum()) for r in rows)
+                    covered = sum(int(((r.teacher.token_positions >= 0) | (r.teacher.mid_ids[:, 0] >= 0)).sum())
+                                  for r in rows)
                 print(f"| cross-tokenizer rows, student {name}, {mode} | {labels / tokens:.3f} "
-                      f"| {segmented / labels:.3f} | {paired / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
+                      f"| {segmented / labels:.3f} | {covered / labels:.3f} | {first:,.0f} | {first / base_first:.2f} "
                       f"| {steady:,.0f} | {steady / base:.2f} |")
+            files = {f.stem: f.stat().st_size for f in sidecar.glob("*.bin")}
+            groups = {"alignment": ("ids", "student_segments", "offsets", "teacher_segments", "num_boundaries"),
+                      "token slots per token": ("sources", "mid_counts", "realised_slots"),
+                      "candidates inside a teacher token": ("mid_ids", "mid_logprobs", "mid_offsets")}
+            parts = {group: sum(files[n] for n in names) for group, names in groups.items()}
+            sidecar_sizes.append(f"| {name} | {sum(parts.values()) / tokens:.1f} | "
+                                 + " | ".join(f"{size / tokens:.2f}" for size in parts.values())
+                                 + f" | {files['vocab_map']:,} |")
+        from megatron_kd_plugin.cache.first_tokens import FirstTokens
+
+        for name, student in students.items():
+            cpu = time.process_time()
+            table = FirstTokens.compute(teacher, student)
+            print(f"\nfirst-token table of the teacher ({int((teacher.lengths > 0).sum()):,} strings, "
+                  f"{len(table.first):,} entries) and {name}: {time.process_time() - cpu:.2f} CPU s")
+        print("\nsidecar bytes per teacher token (`<store>.align-*`, raw arrays; the vocab map once per store)\n")
+        print("| student | all | " + " | ".join(groups) + " | vocab_map bytes |\n|---|" + "---:|" * (len(groups) + 2))
+        print("\n".join(sidecar_sizes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

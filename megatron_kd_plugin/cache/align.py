@@ -23,17 +23,22 @@ teacher, a ``CrossTokenizerTeacher``:
     segment_ids [S_s] int64: k(b_{p+1}) - 1 for used segments, else -1,
     segment_logprobs [S_s] float32: entry c = t_{c+1} for c < K, else 0.
 
-Pairs (the token-level term's positions): a used segment k made of one teacher token i and one student token j of
-the same string (``identical_strings``: the student id of each teacher token's string) pairs row position p = j - 1
-with cache position i - 1 (the distribution the teacher predicted token i from, after the same bytes the student
-read before token j). The teacher holds the sample's top-K once, mapped to the student's ids of identical strings,
-and each position's pair (the loss expands them to [S_s, K] on the model's device: ``loss.cross_tokenizer_loss``):
-    pair_positions [S_s] int64: i - 1 at a pair position p, -1 elsewhere,
-    pair_ids [S, K] int32: vocab_map[cached ids] (0 where unmapped),
-    pair_logprobs [S, K] float32: the cached log-probs, -inf where unmapped (K = 0 for a store without a top-K).
+Token-level term (``token_slots``: its per-sample part; the definition is ``loss.cross_tokenizer_loss``'s): with a
+top-K store the row holds the sample's candidates once per cache position, the top-K mapped to the student's first
+tokens and the realised token, and per student position where to read them (a boundary position) or its own
+candidates (inside a teacher token):
+    token_positions [S_s] int64: t_p at a boundary position p (o_p = 0), -1 elsewhere,
+    token_ids [S, K] int32: ``first_tokens.vocab_map`` of the cached top-K ids (-1: none),
+    token_logprobs [S, K]: the cached log-probs (as read: the store's dtype),
+    realised_logprobs [S]: ``teacher_realised_logprob`` (as read), the realised token's candidate where the top-K
+        lacks it (slot K),
+    realised_slots [S] int64: r_t (K: not in the top-K; the loss puts the student's label there),
+    mid_ids [S_s, J] int32, mid_logprobs [S_s, J] float32: inside a teacher token the position's candidates (-1, -inf:
+        none), J = min(``token_slots.MID_CANDIDATES``, K + 1);
+K = J = 0 for a store without a top-K.
 
-Two steps: ``align_sample`` (the encode and the segment indices k(b_j), k(e_i): no seq_length, no log-probs; what
-``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row).
+Two steps: ``align_sample`` (the encode, the segment indices k(b_j), k(e_i) and, with the top-K, the token slots: no
+seq_length; what ``student_alignments`` keeps per sample) and ``alignment_row`` (the cut and the row).
 """
 
 from __future__ import annotations
@@ -43,31 +48,21 @@ import dataclasses
 import numpy as np
 import torch
 
+from megatron_kd_plugin.cache.first_tokens import FirstTokens
 from megatron_kd_plugin.cache.rows import KDRow
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
+from megatron_kd_plugin.cache.token_slots import MID_CANDIDATES, TokenSlots, token_slots
 from megatron_kd_plugin.loss import CrossTokenizerTeacher
-
-
-def identical_strings(teacher: TokenBytes, student: TokenBytes) -> np.ndarray:
-    """int32 [V_teacher]: the student id whose string equals teacher id v's (the lowest such id), -1 where none or
-    where v's string is empty (ids the tokenizer lacks)."""
-    ids = {}
-    for student_id, string in enumerate(student.strings):
-        if string:
-            ids.setdefault(string, student_id)
-    return np.fromiter((ids.get(string, -1) if string else -1 for string in teacher.strings), dtype=np.int32,
-                       count=len(teacher.strings))
 
 
 @dataclasses.dataclass(frozen=True)
 class TeacherTopK:
-    """A cached sample's teacher side for the pairs: its ``tokens`` [S + 1], top-K ``ids`` and ``logprobs`` [S, K],
-    and the ``vocab_map`` of ``identical_strings``."""
+    """A cached sample's teacher side for the token-level term: top-K ``ids`` and ``logprobs`` [S, K] and the
+    ``realised`` log-probs [S] (``teacher_realised_logprob``)."""
 
-    tokens: np.ndarray
     ids: np.ndarray
     logprobs: np.ndarray
-    vocab_map: np.ndarray
+    realised: np.ndarray
 
 
 def valid_text(text: bytes) -> tuple[int, str]:
@@ -124,6 +119,7 @@ class SampleAlignment:
     """One cached sample re-tokenised by the student and cut into segments, for any seq_length (module docstring;
     segment indices are 0-based indices k into B: a token with end e lies in segment k(e); k = num_boundaries for the
     tokens after the last common boundary). What a reader keeps per sample: ~4.5 B per student token plus 4 per
+    teacher token, and with the token slots ~5 B per student token, 8 per candidate inside a teacher token and 2 per
     teacher token."""
 
     ids: np.ndarray
@@ -134,29 +130,44 @@ class SampleAlignment:
     """int32 [S]: k(e_i) of teacher tokens i = 1..S (the tokens with a realised log-prob)."""
     num_boundaries: int
     """|B|."""
+    slots: TokenSlots | None = None
+    """The token-level term's slots (``token_slots``), for a store with a top-K."""
 
 
-def align_sample(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *, ids: np.ndarray | None = None,
-                 where: str = "sample") -> SampleAlignment:
-    """The alignment of one cached sample's teacher ``tokens`` [S + 1]; ``ids``: the student's encoding of its text
-    (``valid_text``) when already known (a batch encode), else encoded here; ``where`` names the sample in errors."""
+def byte_ends(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *, ids: np.ndarray | None = None,
+              where: str = "sample") -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(e_i [S + 1] of teacher ``tokens`` [S + 1], the student's ids [n] of their text, b_j [n], u) (module docstring);
+    ``ids``: the student's encoding of the text (``valid_text``) when already known (a batch encode), else encoded
+    here; ``where`` names the sample in errors."""
     tokens = np.asarray(tokens, dtype=np.int64)
     teacher_ends = np.cumsum(teacher.lengths[tokens])                                  # [S + 1] e_i
     u, chars = valid_text(teacher.concat(tokens).tobytes())
     ids = np.asarray(student.encode(chars) if ids is None else ids, dtype=np.int64)
-    ends = student_ends(student, ids, chars, where) + u                                # [n] b_j
+    return teacher_ends, ids, student_ends(student, ids, chars, where) + u, u           # [n] b_j
+
+
+def align_sample(tokens: np.ndarray, teacher: TokenBytes, student: TokenBytes, *, ids: np.ndarray | None = None,
+                 where: str = "sample", topk: TeacherTopK | None = None,
+                 table: FirstTokens | None = None) -> SampleAlignment:
+    """The alignment of one cached sample's teacher ``tokens`` [S + 1] (``ids``, ``where``: ``byte_ends``'); with
+    ``topk`` (and the tokenizers' ``FirstTokens`` ``table``) the token slots too."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    teacher_ends, ids, ends, u = byte_ends(tokens, teacher, student, ids=ids, where=where)
     is_teacher_end = np.zeros(int(teacher_ends[-1]) + 1 if len(tokens) else 1, dtype=bool)
     is_teacher_end[teacher_ends] = True
     common = ends[is_teacher_end[ends]]                                                # B, sorted
     common = common[(common > u) & np.append(common[1:] != common[:-1], True)]         # unique
+    slots = None if topk is None else token_slots(tokens, teacher_ends, ids, ends, topk.ids, topk.logprobs,
+                                                  topk.realised, teacher, table)
     return SampleAlignment(ids.astype(np.int32), np.searchsorted(common, ends, side="left").astype(np.int32),
-                           np.searchsorted(common, teacher_ends[1:], side="left").astype(np.int32), len(common))
+                           np.searchsorted(common, teacher_ends[1:], side="left").astype(np.int32), len(common), slots)
 
 
 def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq_length: int,
-                  topk: TeacherTopK | None = None) -> KDRow:
-    """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]; with ``topk`` the
-    pairs' top-K too (else K = 0)."""
+                  topk: TeacherTopK | None = None, vocab_map: np.ndarray | None = None) -> KDRow:
+    """The student row (module docstring) of an aligned sample and its ``realised_logprobs`` [S]; with ``topk`` (the
+    alignment then has its token slots) and the ``vocab_map`` [V_teacher] the token-level term's arrays too (else
+    K + 1 = J = 0)."""
     ids, student_k = alignment.ids, alignment.student_segments
     # the cut: K = the last boundary whose student token index is <= seq_length
     token_at = np.searchsorted(student_k, np.arange(alignment.num_boundaries), side="right") - 1   # token ending at B_k
@@ -175,36 +186,36 @@ def alignment_row(alignment: SampleAlignment, realised_logprobs: np.ndarray, seq
     row_tokens[:m], labels[:m] = ids[:m], ids[1:m + 1]
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     loss_mask[:m] = 1.0
-    if topk is not None:
-        positions, pair_ids, pair_logprobs = _pair_arrays(alignment, topk, last, seq_length)
-    else:
-        positions = torch.full((seq_length,), -1, dtype=torch.int64)
-        pair_ids = torch.zeros(len(realised_logprobs), 0, dtype=torch.int32)
-        pair_logprobs = torch.zeros(len(realised_logprobs), 0, dtype=torch.float32)
+    token_arrays = _token_arrays(alignment.slots, topk, vocab_map, realised_logprobs, m, seq_length)
     teacher = CrossTokenizerTeacher(torch.from_numpy(row_segments),
-                                    torch.from_numpy(segment_logprobs.astype(np.float32)), positions, pair_ids,
-                                    pair_logprobs)
+                                    torch.from_numpy(segment_logprobs.astype(np.float32)),
+                                    *(torch.from_numpy(array) for array in token_arrays))
     return KDRow(torch.from_numpy(row_tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask),
                  torch.arange(seq_length, dtype=torch.long), teacher)
 
 
-def _pair_arrays(alignment: SampleAlignment, topk: TeacherTopK, last: int,
-                 seq_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pair_positions [S_s], pair_ids [S, K], pair_logprobs [S, K]) (module docstring) of the used segments
-    1..``last``."""
-    segments = np.arange(1, max(last, 0) + 1)
-    student_k, teacher_k = alignment.student_segments, alignment.teacher_segments
-    first_student = np.searchsorted(student_k, segments, side="left")                # j_k
-    first_teacher = np.searchsorted(teacher_k, segments, side="left")                # i_k - 1 (teacher_k: tokens 1..S)
-    single = (np.searchsorted(student_k, segments, side="right") - first_student == 1) & \
-        (np.searchsorted(teacher_k, segments, side="right") - first_teacher == 1)
-    student_ids = alignment.ids[np.minimum(first_student, len(alignment.ids) - 1)]
-    teacher_ids = topk.tokens[np.minimum(first_teacher + 1, len(topk.tokens) - 1)]
-    pairs = single & (topk.vocab_map[teacher_ids] == student_ids)
+def _token_arrays(slots: TokenSlots | None, topk: TeacherTopK | None, vocab_map: np.ndarray | None,
+                  realised_logprobs: np.ndarray, m: int, seq_length: int) -> tuple[np.ndarray, ...]:
+    """(token_positions [S_s], token_ids, token_logprobs [S, K], realised_logprobs, realised_slots [S], mid_ids,
+    mid_logprobs [S_s, J]) of the row's first ``m`` positions (module docstring)."""
+    num_cached = len(realised_logprobs)
     positions = np.full(seq_length, -1, dtype=np.int64)
-    positions[first_student[pairs] - 1] = first_teacher[pairs]                     # p = j - 1 -> i - 1
-    mapped = topk.vocab_map.take(topk.ids)                                         # [S, K] int32
-    logprobs = topk.logprobs.astype(np.float32)                                    # a copy
-    np.copyto(logprobs, -np.inf, where=mapped < 0)
-    np.maximum(mapped, 0, out=mapped)
-    return torch.from_numpy(positions), torch.from_numpy(mapped), torch.from_numpy(logprobs)
+    if topk is None:
+        return (positions, np.zeros((num_cached, 0), np.int32), np.zeros((num_cached, 0), np.float32),
+                realised_logprobs, np.zeros(num_cached, np.int64), np.zeros((seq_length, 0), np.int32),
+                np.zeros((seq_length, 0), np.float32))
+    k = topk.ids.shape[1]
+    token_ids = np.take(vocab_map, topk.ids, mode="clip")                               # [S, K]
+    counts = slots.mid_counts[:m]
+    positions[:m] = np.where(counts == 0, slots.sources[:m], -1)
+    width = min(MID_CANDIDATES, k + 1)
+    mid_ids = np.full((seq_length, width), -1, dtype=np.int32)
+    mid_logprobs = np.full((seq_length, width), -np.inf, dtype=np.float32)
+    total = int(counts.sum(dtype=np.int64))
+    if total:
+        rows = np.repeat(np.arange(m), counts)
+        columns = np.arange(total) - np.repeat(np.cumsum(counts, dtype=np.int64) - counts, counts)
+        mid_ids[rows, columns] = slots.mid_ids[:total]
+        mid_logprobs[rows, columns] = slots.mid_logprobs[:total]
+    return (positions, token_ids, topk.logprobs, realised_logprobs, slots.realised.astype(np.int64), mid_ids,
+            mid_logprobs)

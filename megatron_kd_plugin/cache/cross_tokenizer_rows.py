@@ -5,9 +5,10 @@ Besides the top-K (or draws), such a store holds each token's realised log-prob 
 table (``format.py``, ``token_bytes.py``). Each cached sample gives one row: its text re-tokenised by the student,
 aligned to the teacher's tokens and cut at a segment boundary to seq_length (``align.py``), whose teacher is a
 ``CrossTokenizerTeacher``: each position's ALM segment, each segment's teacher log-likelihood, and, from a top-K
-store, the pairs' top-K in the student's ids. Each sample's alignment is computed once per store and student
-tokenizer (``student_alignments.py``: in a memory-mapped sidecar beside the store, written by the first process to
-take its lock, before step one). Its loss is ``loss.cross_tokenizer_loss``.
+store, the token-level term's slots (the teacher's candidates read as the student's next token: ``token_slots.py``,
+``first_tokens.py``). Each sample's alignment is computed once per store and student tokenizer
+(``student_alignments.py``: in a memory-mapped sidecar beside the store, written by the first process to take its
+lock, before step one). Its loss is ``loss.cross_tokenizer_loss``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,26 @@
 """Each cached sample's student tokenization and segments, computed once, and a memory-mapped sidecar of them.
 
-A cross-tokenizer row (``align.py``) costs the student tokenizer's encode of the sample's text and the alignment
-(``align.align_sample``); both depend only on the sample's teacher tokens and the two tokenizers, not on the student's
-seq_length or the teacher's log-probs. ``StudentAlignments`` computes each sample's ``SampleAlignment`` once (on
-first use, or all at once in blocks with the tokenizer's batch encode: ``prepare``) and keeps it in memory, or maps
-a whole store's from its sidecar; a row then costs the sample's log-prob reads and the cut (``row``). Memory of the
-computed ones: ~4.5 B per student token + 4 B per teacher token (~11 GB for 10^9 teacher tokens); mapped ones live
-in the page cache, one copy per machine whatever the number of processes reading them.
+A cross-tokenizer row (``align.py``) costs the student tokenizer's encode of the sample's text, the alignment and,
+from a top-K store, the token-level term's slots (``align.align_sample``, ``token_slots``); they depend only on the
+sample's cached arrays and the two tokenizers, not on the student's seq_length. ``StudentAlignments`` computes each
+sample's ``SampleAlignment`` once (on first use, or all at once in blocks with the tokenizer's batch encode:
+``prepare``) and keeps it in memory, or maps a whole store's from its sidecar; a row then costs the sample's reads
+and the cut (``row``). The two tokenizers' ``first_tokens.FirstTokens`` table is computed once, for the slots.
+Memory per sample: ``SampleAlignment``'s (~4.5 B per student token + 4 B per teacher token, and the slots); mapped
+ones live in the page cache, one copy per machine whatever the number of processes reading them.
 
 Sidecar (``save`` / ``load``): a folder next to the store, never inside it (default ``<store>.align-<student
 hash>``, :func:`sidecar_path`), of raw little-endian arrays and their description::
 
     ids.bin [sum n] int32, student_segments.bin [sum n] int32, offsets.bin [N + 1] int64 (sample i:
     [offsets[i], offsets[i+1])), teacher_segments.bin [N, S] int32, num_boundaries.bin [N] int64,
-    key.json: {"key": {"format", "store_identity", "student"}, "arrays": {name: {"dtype", "shape", "crc32c"}}}
+    the token slots (``token_slots``; empty for a store without a top-K): sources.bin [sum n] int32,
+    mid_counts.bin [sum n] uint8, mid_offsets.bin [N + 1] int64 (sample i's candidates), mid_ids.bin [E] int32,
+    mid_logprobs.bin [E] float32, realised_slots.bin [N, S] int16, vocab_map.bin [V_teacher] int32,
+    key.json: {"key": {"format", "store_identity", "student", "mid_candidates"}, "arrays": {name: {"dtype",
+    "shape", "crc32c"}}}
 
-(the store's identity attribute, the SHA-256 of the student's ``tokenizer.json``). ``save`` streams it, ``BLOCK``
+(the store's identity attribute, the SHA-256 of the student's ``tokenizer.json``, ``token_slots.MID_CANDIDATES``). ``save`` streams it, ``BLOCK``
 samples at a time, into a temporary folder beside the target that is renamed over it at the end (atomic: a reader
 never sees a partial sidecar; writers of one key write the same bytes). ``load`` checks the key (another store or
 tokenizer: False, nothing taken, so the caller recomputes), every file's size and CRC32C (damage: ValueError naming
@@ -38,22 +43,28 @@ import google_crc32c
 import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.align import SampleAlignment, TeacherTopK, align_sample, alignment_row, valid_text
+from megatron_kd_plugin.cache.first_tokens import FirstTokens
 from megatron_kd_plugin.cache.rows import KDRow
-from megatron_kd_plugin.cache.align import (SampleAlignment, TeacherTopK, align_sample, alignment_row,
-                                            identical_strings, valid_text)
+from megatron_kd_plugin.cache.token_slots import MID_CANDIDATES, TokenSlots
 
-SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/3"
+SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/4"
 BLOCK = 64
 """Samples per batch encode in ``prepare`` and ``save``."""
 SIDECAR_ARRAYS = {"ids": np.int32, "student_segments": np.int32, "offsets": np.int64, "teacher_segments": np.int32,
-                  "num_boundaries": np.int64}
+                  "num_boundaries": np.int64, "sources": np.int32, "mid_counts": np.uint8, "mid_offsets": np.int64,
+                  "mid_ids": np.int32, "mid_logprobs": np.float32, "realised_slots": np.int16,
+                  "vocab_map": np.int32}
+_PER_STUDENT_TOKEN = ("ids", "student_segments", "sources", "mid_counts")
+_PER_CANDIDATE = ("mid_ids", "mid_logprobs")
 _CRC_BLOCK = 64 * 2**20
 
 
 def store_key(reader, student) -> dict:
     """The sidecar key of ``reader``'s store and the ``student`` tokenizer (``TokenBytes``)."""
     identity = reader.group.attrs.get("identity") or fmt.store_identity(reader.spec)
-    return {"format": SIDECAR_FORMAT, "store_identity": identity, "student": student.fingerprint}
+    return {"format": SIDECAR_FORMAT, "store_identity": identity, "student": student.fingerprint,
+            "mid_candidates": MID_CANDIDATES}
 
 
 def sidecar_path(reader, student) -> pathlib.Path:
@@ -76,6 +87,7 @@ class StudentAlignments:
     def __init__(self, reader, student):
         self.reader, self.student = reader, student
         self.teacher = reader.vocab_table()
+        self.with_slots = reader.spec.mode == "topk"
         self._alignments: dict[int, SampleAlignment] = {}
         self._mapped: dict[str, np.ndarray] | None = None
         self._sidecar: pathlib.Path | None = None
@@ -89,38 +101,64 @@ class StudentAlignments:
     def _where(self, sample: int) -> str:
         return f"{self.reader.path} sample {sample}"
 
-    def get(self, sample: int, tokens: np.ndarray | None = None) -> SampleAlignment:
-        """The alignment of ``sample``: mapped from the sidecar, or computed from its ``tokens`` [S + 1] (read when
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The stored arrays a sample's alignment is computed from."""
+        return (fmt.TOKENS,) + ((fmt.IDS, fmt.LOGPROBS, fmt.REALISED_LOGPROB) if self.with_slots else ())
+
+    def _topk(self, arrays: dict[str, np.ndarray]) -> TeacherTopK | None:
+        return TeacherTopK(arrays[fmt.IDS], arrays[fmt.LOGPROBS], arrays[fmt.REALISED_LOGPROB]) \
+            if self.with_slots else None
+
+    def _align(self, sample: int, arrays: dict[str, np.ndarray], ids=None) -> SampleAlignment:
+        topk = self._topk(arrays)
+        return align_sample(arrays[fmt.TOKENS], self.teacher, self.student, ids=ids, where=self._where(sample),
+                            topk=topk, table=self.table if topk is not None else None)
+
+    def get(self, sample: int, arrays: dict[str, np.ndarray] | None = None) -> SampleAlignment:
+        """The alignment of ``sample``: mapped from the sidecar, or computed from its ``arrays`` (``names``; read when
         None) on first use and kept."""
         alignment = self._alignments.get(sample)
         if alignment is not None:
             return alignment
         if self._mapped is not None:
-            mapped = self._mapped
-            begin, end = int(mapped["offsets"][sample]), int(mapped["offsets"][sample + 1])
-            return SampleAlignment(mapped["ids"][begin:end], mapped["student_segments"][begin:end],
-                                   mapped["teacher_segments"][sample], int(mapped["num_boundaries"][sample]))
-        if tokens is None:
-            tokens = self.reader.sample_arrays(sample, (fmt.TOKENS,))[fmt.TOKENS]
-        alignment = self._alignments[sample] = align_sample(tokens, self.teacher, self.student,
-                                                            where=self._where(sample))
+            return self._mapped_alignment(sample)
+        if arrays is None:
+            arrays = self.reader.sample_arrays(sample, self.names)
+        alignment = self._alignments[sample] = self._align(sample, arrays)
         return alignment
+
+    def _mapped_alignment(self, sample: int) -> SampleAlignment:
+        mapped = self._mapped
+        begin, end = int(mapped["offsets"][sample]), int(mapped["offsets"][sample + 1])
+        slots = None
+        if self.with_slots:
+            first, last = int(mapped["mid_offsets"][sample]), int(mapped["mid_offsets"][sample + 1])
+            slots = TokenSlots(mapped["sources"][begin:end], mapped["realised_slots"][sample],
+                               mapped["mid_counts"][begin:end], mapped["mid_ids"][first:last],
+                               mapped["mid_logprobs"][first:last])
+        return SampleAlignment(mapped["ids"][begin:end], mapped["student_segments"][begin:end],
+                               mapped["teacher_segments"][sample], int(mapped["num_boundaries"][sample]), slots)
+
+    @functools.cached_property
+    def table(self) -> FirstTokens:
+        """The two tokenizers' ``first_tokens.FirstTokens`` (computed once, for the token slots)."""
+        return FirstTokens.compute(self.teacher, self.student)
 
     @functools.cached_property
     def vocab_map(self) -> np.ndarray:
-        """int32 [V_teacher]: ``align.identical_strings`` of the two tokenizers (computed once)."""
-        return identical_strings(self.teacher, self.student)
+        """int32 [V_teacher]: the student's first token of each teacher token (``FirstTokens.vocab_map``), from the
+        sidecar when mapped."""
+        return self._mapped["vocab_map"] if self._mapped is not None else self.table.vocab_map
 
     def row(self, sample: int, seq_length: int) -> KDRow:
-        """The student row of ``sample`` (``align.alignment_row``), with the pairs when the store holds a top-K (not
-        draws): reads the sample's realised log-probs and top-K (and its tokens)."""
-        pairs = self.reader.spec.mode == "topk"
-        names = (fmt.REALISED_LOGPROB,) + ((fmt.IDS, fmt.LOGPROBS) if pairs else ()) + \
-            ((fmt.TOKENS,) if pairs or not self.known(sample) else ())
-        arrays = self.reader.sample_arrays(sample, names)
-        alignment = self.get(sample, arrays.get(fmt.TOKENS))
-        topk = TeacherTopK(arrays[fmt.TOKENS], arrays[fmt.IDS], arrays[fmt.LOGPROBS], self.vocab_map) if pairs else None
-        return alignment_row(alignment, arrays[fmt.REALISED_LOGPROB], seq_length, topk)
+        """The student row of ``sample`` (``align.alignment_row``), with the token slots when the store holds a top-K
+        (not draws): reads the sample's realised log-probs and top-K (and, aligning it now, its tokens)."""
+        names = (fmt.REALISED_LOGPROB,) + ((fmt.IDS, fmt.LOGPROBS) if self.with_slots else ())
+        arrays = self.reader.sample_arrays(sample, names + ((fmt.TOKENS,) if not self.known(sample) else ()))
+        alignment = self.get(sample, arrays)
+        return alignment_row(alignment, arrays[fmt.REALISED_LOGPROB], seq_length, self._topk(arrays),
+                             self.vocab_map if self.with_slots else None)
 
     def _computed(self, samples):
         """(sample, alignment) of ``samples`` in order: known ones as they are, the others aligned ``BLOCK`` texts per
@@ -129,10 +167,10 @@ class StudentAlignments:
         for begin in range(0, len(samples), BLOCK):
             block = samples[begin:begin + BLOCK]
             todo = [s for s in block if not self.known(s)]
-            tokens = [self.reader.sample_arrays(s, (fmt.TOKENS,))[fmt.TOKENS] for s in todo]
-            texts = [valid_text(self.teacher.concat(t.astype(np.int64)).tobytes())[1] for t in tokens]
-            aligned = {s: align_sample(t, self.teacher, self.student, ids=ids, where=self._where(s))
-                       for s, t, ids in zip(todo, tokens, self.student.encode_batch(texts) if texts else [])}
+            arrays = [self.reader.sample_arrays(s, self.names) for s in todo]
+            texts = [valid_text(self.teacher.concat(a[fmt.TOKENS].astype(np.int64)).tobytes())[1] for a in arrays]
+            aligned = {s: self._align(s, a, ids) for s, a, ids in
+                       zip(todo, arrays, self.student.encode_batch(texts) if texts else [])}
             for sample in block:
                 yield sample, aligned[sample] if sample in aligned else self.get(sample)
 
@@ -148,31 +186,43 @@ class StudentAlignments:
 
         path = pathlib.Path(path)
         n, seq = len(self.reader), self.reader.spec.seq_length
+        streamed = ("ids", "student_segments", "teacher_segments") + \
+            (("sources", "mid_counts", "mid_ids", "mid_logprobs", "realised_slots") if self.with_slots else ())
         temporary = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp"))
         try:
             offsets, boundaries = np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-            crcs = dict.fromkeys(("ids", "student_segments", "teacher_segments"), 0)
-            with open(temporary / "ids.bin", "wb") as ids_file, \
-                    open(temporary / "student_segments.bin", "wb") as segments_file, \
-                    open(temporary / "teacher_segments.bin", "wb") as teacher_file, \
-                    tqdm(total=n * seq, unit="tok", unit_scale=True, disable=not progress, file=sys.stderr,
-                         desc=f"aligning {self.reader.path.name} to {self.student.identity}") as bar:
-                for sample, alignment in self._computed(range(n)):
-                    for name, file, values in (("ids", ids_file, alignment.ids),
-                                               ("student_segments", segments_file, alignment.student_segments),
-                                               ("teacher_segments", teacher_file, alignment.teacher_segments)):
-                        data = np.ascontiguousarray(values, dtype=SIDECAR_ARRAYS[name]).tobytes()
-                        file.write(data)
-                        crcs[name] = google_crc32c.extend(crcs[name], data)
-                    offsets[sample + 1] = offsets[sample] + len(alignment.ids)
-                    boundaries[sample] = alignment.num_boundaries
-                    bar.update(seq)
-            for name, values in (("offsets", offsets), ("num_boundaries", boundaries)):
-                (temporary / f"{name}.bin").write_bytes(values.tobytes())
-                crcs[name] = _crc32c(values)
-            total = int(offsets[-1])
-            shapes = {"ids": [total], "student_segments": [total], "offsets": [n + 1], "teacher_segments": [n, seq],
-                      "num_boundaries": [n]}
+            mid_offsets = np.zeros(n + 1 if self.with_slots else 0, dtype=np.int64)
+            crcs = dict.fromkeys(SIDECAR_ARRAYS, 0)
+            files = {name: open(temporary / f"{name}.bin", "wb") for name in streamed}
+            try:
+                with tqdm(total=n * seq, unit="tok", unit_scale=True, disable=not progress, file=sys.stderr,
+                          desc=f"aligning {self.reader.path.name} to {self.student.identity}") as bar:
+                    for sample, alignment in self._computed(range(n)):
+                        slots = alignment.slots
+                        values = {"ids": alignment.ids, "student_segments": alignment.student_segments,
+                                  "teacher_segments": alignment.teacher_segments}
+                        if self.with_slots:
+                            values.update(sources=slots.sources, mid_counts=slots.mid_counts, mid_ids=slots.mid_ids,
+                                          mid_logprobs=slots.mid_logprobs, realised_slots=slots.realised)
+                            mid_offsets[sample + 1] = mid_offsets[sample] + len(slots.mid_ids)
+                        for name in streamed:
+                            data = np.ascontiguousarray(values[name], dtype=SIDECAR_ARRAYS[name]).tobytes()
+                            files[name].write(data)
+                            crcs[name] = google_crc32c.extend(crcs[name], data)
+                        offsets[sample + 1] = offsets[sample] + len(alignment.ids)
+                        boundaries[sample] = alignment.num_boundaries
+                        bar.update(seq)
+            finally:
+                for file in files.values():
+                    file.close()
+            whole = {"offsets": offsets, "num_boundaries": boundaries, "mid_offsets": mid_offsets,
+                     "vocab_map": self.vocab_map if self.with_slots else np.zeros(0, np.int32)}
+            for name in SIDECAR_ARRAYS.keys() - set(streamed) - set(whole):
+                whole[name] = np.zeros(0, SIDECAR_ARRAYS[name])                     # no token slots: empty
+            for name, values in whole.items():
+                (temporary / f"{name}.bin").write_bytes(np.ascontiguousarray(values, SIDECAR_ARRAYS[name]).tobytes())
+                crcs[name] = _crc32c(np.ascontiguousarray(values, SIDECAR_ARRAYS[name]))
+            shapes = self._shapes(int(offsets[-1]), int(mid_offsets[-1]) if self.with_slots else 0)
             arrays = {name: {"dtype": np.dtype(dtype).str, "shape": shapes[name], "crc32c": crcs[name]}
                       for name, dtype in SIDECAR_ARRAYS.items()}
             (temporary / "key.json").write_text(json.dumps({"key": store_key(self.reader, self.student),
@@ -181,6 +231,17 @@ class StudentAlignments:
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
+
+    def _shapes(self, student_tokens: int, candidates: int) -> dict[str, list[int]]:
+        """Each sidecar array's shape for ``student_tokens`` student tokens and ``candidates`` kept candidates."""
+        n, seq, slots = len(self.reader), self.reader.spec.seq_length, self.with_slots
+        shapes = {"offsets": [n + 1], "teacher_segments": [n, seq], "num_boundaries": [n],
+                  "mid_offsets": [n + 1 if slots else 0], "realised_slots": [n if slots else 0, seq],
+                  "vocab_map": [len(self.teacher.strings) if slots else 0]}
+        shapes.update({name: [student_tokens if slots or name in ("ids", "student_segments") else 0]
+                       for name in _PER_STUDENT_TOKEN})
+        shapes.update({name: [candidates] for name in _PER_CANDIDATE})
+        return shapes
 
     def _replace(self, temporary: pathlib.Path, path: pathlib.Path) -> None:
         """Rename the finished ``temporary`` folder to ``path``; a sidecar already there of this key (a concurrent
@@ -230,7 +291,6 @@ class StudentAlignments:
             raise ValueError(f"{damaged} ({path / 'key.json'}: {error}); delete it to recompute") from error
         if key != store_key(self.reader, self.student):
             return False
-        n, seq = len(self.reader), self.reader.spec.seq_length
         mapped = {}
         for name, dtype in SIDECAR_ARRAYS.items():
             file = path / f"{name}.bin"
@@ -247,9 +307,11 @@ class StudentAlignments:
             if verify and _crc32c(values) != meta["crc32c"]:
                 raise ValueError(f"{damaged} ({file}: CRC32C mismatch); delete it to recompute")
             mapped[name] = values
-        offsets = mapped["offsets"]
-        if mapped["teacher_segments"].shape != (n, seq) or offsets.shape != (n + 1,) or offsets[0] != 0 or \
-                offsets[-1] != len(mapped["ids"]) or np.any(np.diff(offsets) < 0):
+        shapes = self._shapes(len(mapped["ids"]), len(mapped["mid_ids"]))
+        bounds = [(mapped["offsets"], len(mapped["ids"]))] + \
+            ([(mapped["mid_offsets"], len(mapped["mid_ids"]))] if self.with_slots else [])
+        if any(list(mapped[name].shape) != shape for name, shape in shapes.items()) or \
+                any(offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0) for offsets, total in bounds):
             raise ValueError(f"{damaged} (its shapes or offsets do not match {self.reader.path}); delete it to "
                              "recompute")
         self._mapped, self._sidecar = mapped, path

@@ -5,6 +5,7 @@
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
     python -m megatron_kd_plugin demo --mixture ...   # data-mixture ablation: two caches, heals on three blends
+    python -m megatron_kd_plugin demo --tokenizer-transfer unigram|bpe|PATH ...  # the teacher with a new tokenizer
 
 Stages (everything lands under one output folder; the commands of stages 4-7 are the package's own, run as a
 user runs them, and are written to ``commands.sh``):
@@ -395,6 +396,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "per byte (demo --student-tokenizer unigram --help)")
     parser.add_argument("--mixture", action="store_true", help="the data-mixture ablation instead: two domains cached "
                         "once each, the student healed on several blends (demo --mixture --help)")
+    parser.add_argument("--tokenizer-transfer", metavar="unigram|bpe|PATH", help="the tokenizer-transfer demo "
+                        "instead: the teacher's weights with a new tokenizer, healed by cross-tokenizer KD against CE "
+                        "(demo --tokenizer-transfer unigram --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -423,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_kd_plugin.demo import student_tokenizer
 
         return student_tokenizer.main(argv)
+    if any(arg == "--tokenizer-transfer" or arg.startswith("--tokenizer-transfer=") for arg in argv):
+        from megatron_kd_plugin.demo import tokenizer_transfer
+
+        return tokenizer_transfer.main(argv)
     args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
                                                ("heal_steps", args.heal_steps)) if value is not None}

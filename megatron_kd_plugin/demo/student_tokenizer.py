@@ -3,9 +3,12 @@ student with another tokenizer get from the same cache?
 
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe [--preset default|mini] [--output DIR] [--reuse]
                                       [--alm ALPHA:TAU[:GAMMA] ...] [--steps N] [--teacher-steps N] [--seed N]
+                                      [--corpus FOLDER_OR_JSONL [--text-key text]]
     python -m megatron_kd_plugin demo --student-tokenizer PATH ...   # your tokenizer.json (or a folder holding one)
 
-Corpus: the running interpreter's stdlib ``*.py`` sources, whole files split into train and held-out by name hash.
+Corpus: the running interpreter's stdlib ``*.py`` sources, or ``--corpus`` a folder of text files / a JSONL file (its
+text under ``--text-key``), read as the main demo reads them (``demo.data``); whole documents split into train and
+held-out (one in 8) by a hash of their name.
 Tokenizer A (the teacher's): byte-level BPE; tokenizer B (the student's): ``unigram`` trains a Unigram (Metaspace) on
 the train split, ``bpe`` a byte-level BPE on every other train document, all of ``vocab`` ids; a PATH is used as it is
 (it must be lossless on the text: ``token_bytes.check_lossless``). Teacher: a GPT (``teacher_layers`` x
@@ -19,7 +22,7 @@ same text), steps and learning-rate schedule, each through ``train_on_cpu``:
     B-ce     tokenizer B, hard labels only                      (the cross-tokenizer rows, kd.alpha = 0)
     B-kd     tokenizer B, cross-tokenizer KD from the cache, one run per ``--alm ALPHA:TAU[:GAMMA]`` (kd.alpha,
              kd.temperature of the segment term, kd.token_weight = GAMMA: 0 the ALM segment term alone, 1 the
-             token-level term alone, the teacher's top-K in B's ids of identical strings at the pair tokens;
+             token-level term alone: the teacher's candidates read as B's next token at every position;
              default ``alpha``:1:GAMMA for GAMMA = 0, 0.5, 1)
 
 Metric: bits per byte on the held-out text, bpb = sum of -log2 q(token) over predicted tokens / their bytes (each
@@ -34,18 +37,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import pathlib
 import sys
-import sysconfig
 import time
 
 import numpy as np
 import torch
 
+from megatron_kd_plugin.demo.data import CorpusConfig, CorpusError, corpus_documents, split_documents
+
 RECIPE = "tiny_gpt_kd_cpu_fp32_config"
+TEACHER_WEIGHTS = "teacher.pt"
+"""The teacher's state dict in the output folder (the tokenizer-transfer demo's starting point)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -72,6 +77,10 @@ class CrossTokConfig:
     lr: float = 3e-3
     seed: int | None = None
     """The students' rng.seed and dataset.seed (None: the recipe's); the teacher keeps the recipe's."""
+    corpus: str | None = None
+    """A folder of text files or a JSONL file (``demo.data.CorpusConfig.source``); None: the stdlib sources."""
+    text_key: str = "text"
+    """The field holding a JSONL record's text."""
 
 
 PRESETS = {
@@ -82,16 +91,13 @@ PRESETS = {
 }
 
 
-def corpus(max_bytes: int, heldout_bytes: int) -> tuple[list[str], list[str]]:
-    """(train, held-out) stdlib sources; one file in 8 (by name hash) is held out."""
-    train, heldout, sizes = [], [], [0, 0]
-    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        side = int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 8 == 0
-        if sizes[side] < (heldout_bytes if side else max_bytes):
-            (heldout if side else train).append(text)
-            sizes[side] += len(text.encode())
-    return train, heldout
+def corpus(cfg: CrossTokConfig) -> tuple[list[str], list[str]]:
+    """(train, held-out) texts: the documents of ``cfg.corpus`` (the stdlib sources when None), one in 8 held out by
+    a hash of its name, each split filled up to its byte budget (``demo.data``, the main demo's corpus reader)."""
+    source = CorpusConfig(source=cfg.corpus, text_key=cfg.text_key, train_bytes=cfg.train_bytes,
+                          heldout_bytes=cfg.heldout_bytes, heldout_every=8)
+    splits = split_documents(corpus_documents(source), source)
+    return [doc.read() for doc in splits["train"]], [doc.read() for doc in splits["heldout"]]
 
 
 STUDENT_KINDS = ("unigram", "bpe")
@@ -220,11 +226,14 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
     from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
     from megatron_kd_plugin.cache.writer import write_cache
 
-    train_texts, heldout = corpus(cfg.train_bytes, cfg.heldout_bytes)
+    train_texts, heldout = corpus(cfg)
     store, teacher_row = out / "teacher_xtok.zarr", out / "teacher.json"
     if reuse and store.is_dir() and teacher_row.is_file():
-        tok_a, tok_b = out / "tokenizers" / "a.json", pathlib.Path(json.loads(teacher_row.read_text())["student"])
-        return tok_a, tok_b, store, heldout, json.loads(teacher_row.read_text())
+        row = json.loads(teacher_row.read_text())
+        if row.get("corpus") != cfg.corpus:
+            raise CorpusError(f"--reuse: the teacher and store in {out} were made from the corpus {row.get('corpus')!r}, "
+                              f"not {cfg.corpus!r}; drop --reuse or use another --output")
+        return out / "tokenizers" / "a.json", pathlib.Path(row["student"]), store, heldout, row
     tok_a, tok_b = train_tokenizers(train_texts, cfg.vocab, out / "tokenizers",
                                     student_tokenizer if student_tokenizer in STUDENT_KINDS else "unigram")
     if student_tokenizer not in STUDENT_KINDS:
@@ -245,11 +254,13 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
         cfg, plain, vocab, seq, cfg.teacher_steps, "kd.alpha=0.0", "dataset.k=1",
         f"model.num_layers={cfg.teacher_layers}", f"model.hidden_size={cfg.teacher_hidden}",
         f"model.ffn_hidden_size={4 * cfg.teacher_hidden}", "model.num_attention_heads=4"))
+    torch.save(teacher.state_dict(), out / TEACHER_WEIGHTS)
     write_cache(source, lambda tokens: logits_of(teacher, tokens).transpose(0, 1), store, k=cfg.k, vocab_size=vocab,
                 teacher="demo-crosstok-teacher", samples_per_shard=16, progress=False, vocab_table=table_a,
                 overwrite=True)
     row = dict(name=f"teacher (A, {cfg.teacher_layers}x{cfg.teacher_hidden})",
-               bpb=bits_per_byte(teacher, tok_a, heldout, seq), seconds=seconds, student=str(tok_b.resolve()))
+               bpb=bits_per_byte(teacher, tok_a, heldout, seq), seconds=seconds, student=str(tok_b.resolve()),
+               corpus=cfg.corpus)
     teacher_row.write_text(json.dumps(row) + "\n")
     return tok_a, tok_b, store, heldout, row
 
@@ -257,8 +268,6 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
 def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "unigram", reuse: bool = False) -> dict:
     """Every stage into ``out``; returns {"rows": [...], "table": markdown}."""
     from megatron_kd_plugin.cache import KDRows, TokenBytes, TopKCacheReader, row_kind
-    from megatron_kd_plugin.loss import tensor_map
-    from megatron_kd_plugin.loss.cross_tokenizer_loss import pair_teacher
 
     out.mkdir(parents=True, exist_ok=True)
     tok_a, tok_b, store, heldout, teacher_row = prepare(cfg, out, student_tokenizer, reuse)
@@ -296,17 +305,17 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     labels = float(np.mean([float(r.loss_mask.sum()) for r in b_rows]))
     segmented = float(np.mean([float((r.teacher.segment_ids >= 0).sum() / max(float(r.loss_mask.sum()), 1.0))
                                for r in b_rows]))
-    pair_logprobs = [pair_teacher(tensor_map(lambda t: t[:, None], r.teacher)).logprobs[:, 0]   # [S_s, K]
-                     for r in b_rows]
-    pair_rows = [r.teacher.pair_positions >= 0 for r in b_rows]
-    paired = float(np.mean([float(p.sum()) / max(float(r.loss_mask.sum()), 1.0) for p, r in zip(pair_rows, b_rows)]))
-    mapped = float(torch.cat([lp[p].exp().sum(-1) for p, lp in zip(pair_rows, pair_logprobs)]).mean())
+    coverage = token_coverage(b_rows, reader, table_b)
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment, {paired:.3f} at "
-             f"a pair token (the token-level term), where the teacher's top-{cfg.k} ids of identical strings in B hold "
-             f"{mapped:.3f} of its mass", "",
+             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment; the token-level "
+             f"term covers {coverage['covered']:.3f} of them ({coverage['boundary']:.3f} at a teacher token boundary, "
+             f"{coverage['inside']:.3f} inside a teacher token), where {coverage['mass']:.3f} of the teacher's "
+             f"probability reaches a B token; the context-free first token of the realised teacher token's bytes is B's "
+             f"own next token at {coverage['agree boundary']:.3f} of the boundary positions and "
+             f"{coverage['agree inside']:.3f} of those inside a token (B's token runs past the teacher token at "
+             f"{coverage['runs past']:.3f} of all)", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | segment/CE "
              "gradient norm | train s |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -317,8 +326,54 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
         lines.append(f"| {row['name']} | {row['bpb']:.4f} | {gain} | {fraction} | {pull} | {row['seconds']:.0f} |")
     text = "\n".join(lines)
     (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    return {"rows": rows, "table": text}
+    (out / "results.json").write_text(json.dumps(rows + [dict(name="coverage", **coverage)], indent=1,
+                                                 default=str) + "\n")
+    return {"rows": rows, "table": text, "coverage": coverage}
+
+
+def token_coverage(rows: list, reader, student) -> dict[str, float]:
+    """The token-level term on ``rows`` (B's ``KDRow``s of ``reader``'s first samples): the fractions of the labels it
+    covers (at a teacher token boundary / inside a teacher token), the mean teacher probability reaching a B token
+    there, and how often ``first_tokens``' context-free first token of the realised teacher token's remaining bytes
+    is B's own next token (at the boundary positions / inside a token; ``runs past``: B's next token ends after the
+    realised teacher token, where no first token of it can be)."""
+    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.align import byte_ends
+    from megatron_kd_plugin.cache.first_tokens import FirstTokens
+    from megatron_kd_plugin.cache.token_slots import read_positions
+    from megatron_kd_plugin.loss import tensor_map
+    from megatron_kd_plugin.loss.cross_tokenizer_loss import token_teacher
+
+    counts = dict.fromkeys(("labels", "covered", "boundary", "inside", "mass"), 0.0)
+    for row in rows:
+        target = token_teacher(tensor_map(lambda t: t[:, None], row.teacher), row.labels[:, None])
+        probs = target.logprobs[:, 0].double().exp().sum(-1)                                  # [S_s]
+        covered = (probs > 0) & (row.loss_mask > 0)
+        boundary = covered & (row.teacher.token_positions >= 0)
+        counts["labels"] += float(row.loss_mask.sum())
+        counts["covered"] += float(covered.sum())
+        counts["boundary"] += float(boundary.sum())
+        counts["inside"] += float((covered & ~boundary).sum())
+        counts["mass"] += float(probs[covered].sum())
+    teacher = reader.vocab_table()
+    table = FirstTokens.compute(teacher, student)
+    agree = dict.fromkeys(("boundary", "inside", "agree boundary", "agree inside", "runs past"), 0)
+    for sample in range(len(rows)):
+        tokens = reader.sample_arrays(sample, (fmt.TOKENS,))[fmt.TOKENS].astype(np.int64)
+        teacher_ends, ids, ends, _ = byte_ends(tokens, teacher, student)
+        sources, offsets = read_positions(teacher_ends, ends)
+        j = np.flatnonzero(sources >= 0)
+        t, o = sources[j], offsets[j]
+        same = table.first[table.base[tokens[t + 1]] + o] == ids[j + 1]
+        for name, where in (("boundary", o == 0), ("inside", o > 0)):
+            agree[name] += int(where.sum())
+            agree["agree " + name] += int((same & where).sum())
+        agree["runs past"] += int((ends[j + 1] > teacher_ends[t + 1]).sum())
+    labels = max(counts["labels"], 1.0)
+    return dict(covered=counts["covered"] / labels, boundary=counts["boundary"] / labels,
+                inside=counts["inside"] / labels, mass=counts["mass"] / max(counts["covered"], 1.0),
+                **{f"agree {name}": agree[f"agree {name}"] / max(agree[name], 1) for name in ("boundary", "inside")},
+                **{"runs past": agree["runs past"] / max(agree["boundary"] + agree["inside"], 1)})
 
 
 def kd_name(alpha: float, tau: float, gamma: float) -> str:
@@ -351,14 +406,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
+    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
+                        "text files (one document each, read as UTF-8) or a .jsonl file (one JSON object per line, its "
+                        "text under --text-key), as the main demo reads it")
+    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
     args = parser.parse_args(argv)
     changes = {name: getattr(args, name) for name in ("steps", "teacher_steps", "vocab", "train_bytes",
-                                                      "heldout_bytes", "teacher_hidden", "alpha", "seed")
+                                                      "heldout_bytes", "teacher_hidden", "alpha", "seed", "corpus")
                if getattr(args, name) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset], **changes)
     cfg = dataclasses.replace(cfg, alm=tuple(args.alm) if args.alm else tuple((cfg.alpha, 1.0, gamma)
                                                                               for gamma in (0.0, 0.5, 1.0)))
-    result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
+    cfg = dataclasses.replace(cfg, text_key=args.text_key)
+    try:
+        result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
+    except CorpusError as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2
     print(result["table"])
     print(f"\n[demo] results in {args.output}/results.md")
     return 0
