@@ -70,6 +70,21 @@ def test_renorm_fast_path_uses_only_k_rows():
     assert seen.largest == 2000 * 31 < tokens * 2000, seen.largest     # nothing bigger than W (or dW)
 
 
+def test_renorm_fast_path_gradients_repeat_to_the_bit_on_several_threads():
+    """The renorm path's dW adds T*K rows into V rows (many tokens share a slot id): two CPU threads, float32, the
+    same inputs give the same gradients bit for bit every time (a parallel accumulate made two heals of the same
+    command differ from their third step on)."""
+    case = make_case(s=8, b=64, hidden_size=64, vocab=40, k=16, duplicates=False, padding=False)
+    case = {name: value.float() if value.is_floating_point() else value for name, value in case.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = {tuple(run_loss(case, impl="fused", tail="renorm")[2].flatten().tolist()) for _ in range(6)}
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1
+
+
 class _MaxNumel(TorchDispatchMode):
     """Records the largest tensor any op produces (dense elements, or stored entries of a sparse one)."""
 

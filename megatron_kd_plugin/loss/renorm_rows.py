@@ -30,6 +30,17 @@ def _support_rows(weight: torch.Tensor, local_ids: torch.Tensor, dtype: torch.dt
     return weight.index_select(0, local_ids.reshape(-1).long()).view(*local_ids.shape, -1).to(dtype)
 
 
+def _add_rows_(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """target[ids[n]] += rows[n] for every n (ids [N], rows [N, H]), repeated ids summed in the same order every run
+    on both devices: CUDA's ``index_put_(accumulate=True)`` sorts the ids first (its ``index_add_`` adds atomically);
+    CPU's ``index_add_`` adds one index after another (its ``index_put_`` accumulate adds from several threads in no
+    fixed order: two runs of a heal differed from the third step on)."""
+    if target.is_cuda:
+        target.index_put_((ids,), rows, accumulate=True)
+    else:
+        target.index_add_(0, ids, rows)
+
+
 class _RenormRowsKL(torch.autograd.Function):
     """(hidden [T, H], weight [V/tp, H]) -> (loss_sum, kd_sum, ce_sum, student_mass_sum = NaN, group sums [G, 2])."""
 
@@ -55,8 +66,7 @@ class _RenormRowsKL(torch.autograd.Function):
                     d_hidden[rows] = torch.bmm(d.unsqueeze(1), _support_rows(weight, ids, dtype)).squeeze(1)
                 if need_dw:
                     x = hidden[rows].to(dtype)                                         # [c, H]
-                    d_weight.index_put_((ids.reshape(-1).long(),), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1),
-                                        accumulate=True)   # deterministic on CUDA (sorted), unlike index_add_
+                    _add_rows_(d_weight, ids.reshape(-1).long(), (d.unsqueeze(-1) * x.unsqueeze(1)).flatten(0, 1))
         weighted_kd = batch.weight * terms.kd
         totals = torch.cat([torch.stack([weighted_kd.sum(), g.new_zeros(()), g.new_tensor(torch.nan)]),
                             group_sums(plan.num_groups, batch.group, (weighted_kd, torch.zeros_like(weighted_kd)))])
