@@ -14,7 +14,7 @@ from megatron.bridge.training.utils.theoretical_memory_utils import estimate_tra
 from megatron_kd_plugin.commands.plan import GIB, fits, main, plan_memory
 from megatron_kd_plugin.recipes import RECIPES
 
-ONE_GPU = "qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config"
+ONE_GPU = "qwen3_8b_to_0p6b_kd_768k_1gpu_h200_bf16_config"
 ONE_GPU_32K = "qwen3_8b_to_0p6b_kd_32k_1gpu_h200_bf16_config"
 EIGHT_GPU = "qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config"
 H200_GIB = 140

@@ -1,6 +1,6 @@
 """What a KD run needs per GPU, by component, and whether it fits: ``python -m megatron_kd_plugin plan``.
 
-    python -m megatron_kd_plugin plan --recipe qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config [overrides] \\
+    python -m megatron_kd_plugin plan --recipe qwen3_8b_to_0p6b_kd_768k_1gpu_h200_bf16_config [overrides] \\
         [--hf-path STUDENT] [--gpu-memory 140]
     python -m megatron_kd_plugin plan --published [--hf-path QWEN3_1P7B]   # gpt-oss vocabulary, 32K x 4 tokens
 
