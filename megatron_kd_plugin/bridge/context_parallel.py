@@ -14,7 +14,6 @@ reach megatron's reduction over DP×CP once (``forward_step_calc_loss`` / Bridge
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from megatron.core.utils import get_batch_on_this_cp_rank
 

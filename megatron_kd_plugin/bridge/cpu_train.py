@@ -12,7 +12,8 @@ a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_int
 it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It logs as Bridge's loop does
 (``cpu_log``): a line every ``logger.log_interval`` steps, TensorBoard events through Bridge's writer and the step
 history on disk (``<logger.tensorboard_dir>/history.jsonl``) as the run goes. It is not a second trainer:
-no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's ``pretrain()``.
+no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m megatron_kd_plugin train`` runs Bridge's
+``pretrain()``.
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
 
@@ -130,7 +131,8 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
     present: use Bridge's ``pretrain()`` there).
     """
     if not cuda_absent():
-        raise ValueError("CUDA is available: train with Megatron-Bridge's pretrain() (python -m megatron_kd_plugin train does)")
+        raise ValueError("CUDA is available: train with Megatron-Bridge's pretrain() "
+                         "(python -m megatron_kd_plugin train does)")
     if cfg.model.pipeline_model_parallel_size != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={cfg.model.pipeline_model_parallel_size}: the CPU "
                          "loop runs no pipeline schedule; use 1")
@@ -160,8 +162,8 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
                                                                     test_samples=0))
     loader = build_pretraining_data_loader(   # resumed: from the first sample the checkpointed run had not seen
         train_ds, state.train_state.consumed_train_samples, cfg.dataset.dataloader_type, cfg.train.micro_batch_size,
-        cfg.dataset.num_workers, cfg.dataset.data_sharding, pin_memory=False, data_parallel_rank=dist.get_rank(dp_group),
-        data_parallel_size=dp_size, global_batch_size=cfg.train.global_batch_size, seed=cfg.dataset.seed)
+        cfg.dataset.num_workers, cfg.dataset.data_sharding, pin_memory=False,
+        data_parallel_rank=dist.get_rank(dp_group), data_parallel_size=dp_size, global_batch_size=cfg.train.global_batch_size, seed=cfg.dataset.seed)
     data_iterator = iter(loader)
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
 

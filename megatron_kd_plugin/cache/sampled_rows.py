@@ -11,8 +11,6 @@ estimate of the full-vocab KL.
 
 from __future__ import annotations
 
-import torch
-
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.draws import draw_weights
 from megatron_kd_plugin.cache.rows import KDRow, window_row

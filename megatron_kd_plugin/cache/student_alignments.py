@@ -20,13 +20,12 @@ hash>``, :func:`sidecar_path`), of raw little-endian arrays and their descriptio
     key.json: {"key": {"format", "store_identity", "student", "mid_candidates"}, "arrays": {name: {"dtype",
     "shape", "crc32c"}}}
 
-(the store's identity attribute, the SHA-256 of the student's ``tokenizer.json``, ``token_slots.MID_CANDIDATES``). ``save`` streams it, ``BLOCK``
-samples at a time, into a temporary folder beside the target that is renamed over it at the end (atomic: a reader
-never sees a partial sidecar; writers of one key write the same bytes). ``load`` checks the key (another store or
-tokenizer: False, nothing taken, so the caller recomputes), every file's size and CRC32C (damage: ValueError naming
-the file), then maps the files read-only. ``load_or_write``: the first process to take ``<sidecar>.lock`` computes
-and writes the sidecar while the others wait for it, then every one maps it.
-"""
+(the store's identity attribute, the SHA-256 of the student's ``tokenizer.json``, ``token_slots.MID_CANDIDATES``).
+``save`` streams it, ``BLOCK`` samples at a time, into a temporary folder beside the target that is renamed over it at
+the end (atomic: a reader never sees a partial sidecar; writers of one key write the same bytes). ``load`` checks the
+key (another store or tokenizer: False, nothing taken, so the caller recomputes), every file's size and CRC32C (damage:
+ValueError naming the file), then maps the files read-only. ``load_or_write``: the first process to take
+``<sidecar>.lock`` computes and writes the sidecar while the others wait for it, then every one maps it. """
 
 from __future__ import annotations
 
@@ -310,8 +309,8 @@ class StudentAlignments:
         shapes = self._shapes(len(mapped["ids"]), len(mapped["mid_ids"]))
         bounds = [(mapped["offsets"], len(mapped["ids"]))] + \
             ([(mapped["mid_offsets"], len(mapped["mid_ids"]))] if self.with_slots else [])
-        if any(list(mapped[name].shape) != shape for name, shape in shapes.items()) or \
-                any(offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0) for offsets, total in bounds):
+        if any(list(mapped[name].shape) != shape for name, shape in shapes.items()) or any(
+                offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0) for offsets, total in bounds):
             raise ValueError(f"{damaged} (its shapes or offsets do not match {self.reader.path}); delete it to "
                              "recompute")
         self._mapped, self._sidecar = mapped, path

@@ -61,7 +61,8 @@ def realised_slots(tokens: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:
 
 def read_positions(teacher_ends: np.ndarray, student_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(t_j [n], o_j [n]) of student tokens ending at ``student_ends`` [n] against teacher tokens ending at
-    ``teacher_ends`` [S + 1] (module docstring; t_j = -1 where b_j < e_0 or j = n - 1, none past cache position S - 1)."""
+    ``teacher_ends`` [S + 1] (module docstring; t_j = -1 where b_j < e_0 or j = n - 1, none past cache position S -
+    1)."""
     sources = np.searchsorted(teacher_ends, student_ends, side="right") - 1            # [n] t_j
     sources[-1:] = -1                                                                   # no label after the last
     sources = np.where(sources < len(teacher_ends) - 1, sources, -1)
@@ -72,8 +73,9 @@ def token_slots(tokens: np.ndarray, teacher_ends: np.ndarray, student_ids: np.nd
                 topk_ids: np.ndarray, topk_logprobs: np.ndarray, realised_logprobs: np.ndarray, teacher: TokenBytes,
                 table: FirstTokens, *, mid_candidates: int = MID_CANDIDATES) -> TokenSlots:
     """The slots (module docstring) of a sample: teacher ``tokens`` [S + 1] ending at ``teacher_ends`` [S + 1], the
-    student's ``student_ids`` [n] ending at ``student_ends`` [n] (bytes of the same text), the cached top-K ``topk_ids``,
-    ``topk_logprobs`` [S, K] and ``realised_logprobs`` [S]; ``table``: the two tokenizers' ``FirstTokens``."""
+    student's ``student_ids`` [n] ending at ``student_ends`` [n] (bytes of the same text), the cached top-K
+    ``topk_ids``, ``topk_logprobs`` [S, K] and ``realised_logprobs`` [S]; ``table``: the two tokenizers'
+    ``FirstTokens``."""
     tokens = np.asarray(tokens, dtype=np.int64)
     n, k = len(student_ids), topk_ids.shape[1]
     sources, offsets = read_positions(teacher_ends, student_ends)                      # [n] t_j, o_j

@@ -22,7 +22,6 @@ on the same store is refused while any process of the first lives.
 from __future__ import annotations
 
 import errno
-import os
 import pathlib
 import shutil
 import time
@@ -383,14 +382,14 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
 
     ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
-    nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring). ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the
-    dummy forwards that keep a MoE teacher's expert-parallel ranks in step). ``on_shard_written`` is called on every
-    rank with the number of shards it has written in this run, once the store is prepared (0) and after each shard
-    (the kill test stops its workers there, at known shard boundaries). Returns this rank's
-    :class:`WriteStats`. Raises ValueError on non-finite logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at ``output`` (without
-    ``overwrite``), on anything at ``output`` that is not a store of this project, and while another run writes
-    the store; OSError naming ``output`` when it cannot be created or the disk fills.
-    """
+    nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring).
+    ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the dummy forwards that
+    keep a MoE teacher's expert-parallel ranks in step). ``on_shard_written`` is called on every rank with the number of
+    shards it has written in this run, once the store is prepared (0) and after each shard (the kill test stops its
+    workers there, at known shard boundaries). Returns this rank's :class:`WriteStats`. Raises ValueError on non-finite
+    logits (naming the sample and position), on data that do not fit the vocabulary, on a store with other settings at
+    ``output`` (without ``overwrite``), on anything at ``output`` that is not a store of this project, and while another
+    run writes the store; OSError naming ``output`` when it cannot be created or the disk fills. """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if logprob_codec is None:

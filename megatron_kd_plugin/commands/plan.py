@@ -370,8 +370,8 @@ def fused_head_notes(plan: MemoryPlan) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_kd_plugin plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="--recipe, --config-file, --hf-path, --seq-length and the overrides are the "
-                                            "train command's: give the plan the arguments of the run it plans")
+                                     epilog="--recipe, --config-file, --hf-path, --seq-length and the overrides are "
+                                            "the train command's: give the plan the arguments of the run it plans")
     from megatron_kd_plugin.commands.train import add_config_arguments
 
     add_config_arguments(parser)

@@ -10,10 +10,9 @@ With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step (che
 built; what it lacks is named with the install command: ``pip install 'megatron_kd_plugin[gpu]'``, docs/bridge.md);
 without CUDA the same config runs under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``).
 ``--hf-path`` gives a recipe that takes a Hugging Face student (``hf_path``) its folder or hub id, ``--seq-length``
-the sequence length (the recipe's ``seq_length``, else both seq_length overrides); ``plan`` takes the same arguments. ``--config-file`` merges a YAML of
-overrides first (it may name the plugin's classes as ``_target_``). An override naming an unknown field, an
-unknown recipe or a bad cache stops the run before step one with the reason.
-"""
+the sequence length (the recipe's ``seq_length``, else both seq_length overrides); ``plan`` takes the same arguments.
+``--config-file`` merges a YAML of overrides first (it may name the plugin's classes as ``_target_``). An override
+naming an unknown field, an unknown recipe or a bad cache stops the run before step one with the reason. """
 
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="megatron_kd_plugin train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="megatron_kd_plugin train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the recipe names and exit")
     add_config_arguments(parser)
     return parser.parse_args(argv)

@@ -35,7 +35,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 from megatron_kd_plugin.demo import data
@@ -50,7 +49,7 @@ from megatron_kd_plugin.demo.pipeline import (
     run_command,
     train_teacher,
 )
-from megatron_kd_plugin.demo.stages import StageClock, stage_lines
+from megatron_kd_plugin.demo.stages import STOPPED, StageClock, exit_code, stage_lines
 
 DOMAINS = ("code", "prose")
 TEST_FOLDERS = {"test", "tests", "idle_test"}
@@ -296,13 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.blends:
             cfg = dataclasses.replace(cfg, blends=tuple(args.blends))
         result = run(cfg, args.output, overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
-    except subprocess.CalledProcessError as error:
-        print(f"demo: error: `{error.cmd}` failed (exit {error.returncode}); its output is above and in "
-              f"{args.output}/", file=sys.stderr)
-        return 1
+    except STOPPED as error:
+        return exit_code(error, args.output)
     print("\n" + results_table(cfg, result["metrics"], result["forwards"], result["seconds"]))
     print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, commands.sh)")
     return 0

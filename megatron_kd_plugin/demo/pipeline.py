@@ -46,10 +46,10 @@ import sys
 
 import torch
 
-from megatron_kd_plugin.demo.data import TEXT_SUFFIXES, CorpusConfig, CorpusError, token_windows
+from megatron_kd_plugin.demo.data import CorpusConfig, token_windows
 from megatron_kd_plugin.demo.qwen3_models import Qwen3Shape
 from megatron_kd_plugin.demo.scratch import start_run
-from megatron_kd_plugin.demo.stages import StageClock, stage_lines
+from megatron_kd_plugin.demo.stages import STOPPED, StageClock, add_corpus_arguments, exit_code, stage_lines
 
 HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
 MODELS = ("teacher", "pruned", "healed KD", "healed CE")
@@ -403,10 +403,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
-    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
-                        + "/".join("*" + s for s in TEXT_SUFFIXES) + " files (one document each, read as UTF-8) "
-                        "or a .jsonl file (one JSON object per line, its text under --text-key)")
-    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
+    add_corpus_arguments(parser)
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
@@ -438,18 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key)
         cfg = dataclasses.replace(preset, corpus=corpus, **changes)
-    except ValueError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
-    try:
         result = run_demo(cfg, args.output, overwrite=args.overwrite)
-    except (FileExistsError, CorpusError) as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
-    except subprocess.CalledProcessError as error:
-        print(f"demo: error: `{error.cmd}` failed (exit {error.returncode}); its output is above and in "
-              f"{args.output}/", file=sys.stderr)
-        return 1
+    except STOPPED as error:
+        return exit_code(error, args.output)
     print("\n" + results_table(cfg, result["metrics"], result["params"], result["seconds"]))
     print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, results.png, commands.sh; the "
           "healed students as HF folders in healed_kd/ and healed_ce/)")

@@ -97,7 +97,8 @@ def compress(teacher, keep_layers: tuple[int, ...], mlp_keep: float, calibration
 
     config = teacher.config
     layers = config.num_hidden_layers
-    if not keep_layers or sorted(set(keep_layers)) != list(keep_layers) or not all(0 <= i < layers for i in keep_layers):
+    if (not keep_layers or sorted(set(keep_layers)) != list(keep_layers)
+            or not all(0 <= i < layers for i in keep_layers)):
         raise ValueError(f"keep_layers={keep_layers}: need increasing layer indices in [0, {layers})")
     if not 0 < mlp_keep <= 1:
         raise ValueError(f"mlp_keep={mlp_keep}: must be in (0, 1]")

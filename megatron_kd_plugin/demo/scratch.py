@@ -40,9 +40,8 @@ import sys
 
 import torch
 
-from megatron_kd_plugin.demo.data import (TEXT_SUFFIXES, CorpusConfig, CorpusError, DemoCorpus, padded_vocab_size,
-                                         token_windows, tokenize_corpus)
-from megatron_kd_plugin.demo.stages import StageClock, stage_lines
+from megatron_kd_plugin.demo.data import CorpusConfig, DemoCorpus, padded_vocab_size, token_windows, tokenize_corpus
+from megatron_kd_plugin.demo.stages import STOPPED, StageClock, add_corpus_arguments, exit_code, stage_lines
 
 STUDENT_RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 
@@ -323,10 +322,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
-    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
-                        + "/".join("*" + s for s in TEXT_SUFFIXES) + " files (one document each, read as UTF-8) "
-                        "or a .jsonl file (one JSON object per line, its text under --text-key)")
-    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
+    add_corpus_arguments(parser)
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--student-steps", type=int, help="override the preset's student steps")
@@ -341,14 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key)
         cfg = dataclasses.replace(preset, corpus=corpus, **changes)
-    except ValueError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
-    try:
         result = run_demo(cfg, args.output, overwrite=args.overwrite)
-    except (FileExistsError, CorpusError) as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
+    except STOPPED as error:
+        return exit_code(error, args.output)
     print("\n" + results_table(result["metrics"], result["seconds"]))
     print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, loss_curves.png)")
     return 0

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from megatron_kd_plugin.demo.data import CorpusConfig, CorpusError, corpus_documents, split_documents
+from megatron_kd_plugin.demo.stages import STOPPED, add_corpus_arguments, exit_code
 
 RECIPE = "tiny_gpt_kd_cpu_fp32_config"
 TEACHER_WEIGHTS = "teacher.pt"
@@ -231,8 +232,8 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
     if reuse and store.is_dir() and teacher_row.is_file():
         row = json.loads(teacher_row.read_text())
         if row.get("corpus") != cfg.corpus:
-            raise CorpusError(f"--reuse: the teacher and store in {out} were made from the corpus {row.get('corpus')!r}, "
-                              f"not {cfg.corpus!r}; drop --reuse or use another --output")
+            raise CorpusError(f"--reuse: the teacher and store in {out} were made from the corpus "
+                              f"{row.get('corpus')!r}, not {cfg.corpus!r}; drop --reuse or use another --output")
         return out / "tokenizers" / "a.json", pathlib.Path(row["student"]), store, heldout, row
     tok_a, tok_b = train_tokenizers(train_texts, cfg.vocab, out / "tokenizers",
                                     student_tokenizer if student_tokenizer in STUDENT_KINDS else "unigram")
@@ -309,11 +310,11 @@ def run(cfg: CrossTokConfig, out: pathlib.Path, *, student_tokenizer: str = "uni
     lines = [f"teacher {cfg.teacher_layers}x{cfg.teacher_hidden} ({cfg.teacher_steps} steps), students 2x64, "
              f"{cfg.steps} steps x 8 rows, vocab {cfg.vocab} (A: byte-level BPE, B: {table_b.identity}), top-{cfg.k} "
              f"cache, A-kd alpha {cfg.alpha}; {len(reader)} cached samples of {seq} A-tokens; B rows (seq_length "
-             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment; the token-level "
-             f"term covers {coverage['covered']:.3f} of them ({coverage['boundary']:.3f} at a teacher token boundary, "
-             f"{coverage['inside']:.3f} inside a teacher token), where {coverage['mass']:.3f} of the teacher's "
-             f"probability reaches a B token; the context-free first token of the realised teacher token's bytes is B's "
-             f"own next token at {coverage['agree boundary']:.3f} of the boundary positions and "
+             f"{seq_b}) hold {labels:.1f} labels on average, {segmented:.3f} of them in a used segment; the "
+             f"token-level term covers {coverage['covered']:.3f} of them ({coverage['boundary']:.3f} at a teacher "
+             f"token boundary, {coverage['inside']:.3f} inside a teacher token), where {coverage['mass']:.3f} of the teacher's "
+             f"probability reaches a B token; the context-free first token of the realised teacher token's bytes is "
+             f"B's own next token at {coverage['agree boundary']:.3f} of the boundary positions and "
              f"{coverage['agree inside']:.3f} of those inside a token (B's token runs past the teacher token at "
              f"{coverage['runs past']:.3f} of all)", "",
              "| model | held-out bits/byte | gain over its CE | fraction of the same-tokenizer gain | segment/CE "
@@ -406,10 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "teacher_steps", "vocab", "train_bytes", "heldout_bytes", "teacher_hidden", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--alpha", type=float, help="override the preset's A-kd alpha")
-    parser.add_argument("--corpus", metavar="PATH", help="your own text instead of the stdlib sources: a folder of "
-                        "text files (one document each, read as UTF-8) or a .jsonl file (one JSON object per line, its "
-                        "text under --text-key), as the main demo reads it")
-    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
+    add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     changes = {name: getattr(args, name) for name in ("steps", "teacher_steps", "vocab", "train_bytes",
                                                       "heldout_bytes", "teacher_hidden", "alpha", "seed", "corpus")
@@ -420,9 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(cfg, text_key=args.text_key)
     try:
         result = run(cfg, args.output, student_tokenizer=args.student_tokenizer, reuse=args.reuse)
-    except CorpusError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
+    except STOPPED as error:
+        return exit_code(error, args.output)
     print(result["table"])
     print(f"\n[demo] results in {args.output}/results.md")
     return 0

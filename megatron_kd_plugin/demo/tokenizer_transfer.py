@@ -32,6 +32,7 @@ import torch
 
 from megatron_kd_plugin.demo import student_tokenizer as crosstok
 from megatron_kd_plugin.demo.data import CorpusError
+from megatron_kd_plugin.demo.stages import STOPPED, add_corpus_arguments, exit_code
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -165,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, help="kd.alpha of the KD heal (default: %s)" % TransferConfig.alpha)
     parser.add_argument("--seed", type=int, help="the heals' rng.seed and dataset.seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
-    parser.add_argument("--corpus", metavar="PATH", help="your own text (as demo --student-tokenizer takes it)")
-    parser.add_argument("--text-key", default="text", help="the JSONL field holding the text (default: %(default)s)")
+    add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     cfg = crosstok.PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, seed=args.seed, corpus=args.corpus, text_key=args.text_key,
@@ -176,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                           **({} if args.preset != "mini" or args.steps is not None else {"steps": 3}))
     try:
         result = run(cfg, heal, args.output, student_tokenizer=args.tokenizer_transfer, reuse=args.reuse)
-    except CorpusError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 2
+    except STOPPED as error:
+        return exit_code(error, args.output)
     print(result["table"])
     print(f"\n[demo] results in {args.output}/transfer_results.md")
     return 0

@@ -164,7 +164,7 @@ class _TritonChunk:
     def local_max(self) -> torch.Tensor:
         from megatron_kd_plugin.kernels import chunk_row_stats
 
-        backend, rows = self.backend, self.rows
+        backend = self.backend
         tau = backend.plan.options.temperature
         self.stats = chunk_row_stats(self.r, self.ids, 1.0 / tau, exclude=self.support_ids, kernels="triton")
         if backend.plan.ce_needs_unit_softmax:

@@ -140,13 +140,13 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     Shapes: hidden [s, b, H] ([s/tp, b, H] with sequence_parallel), weight [V/tp, H] (this rank's vocab shard),
     labels int [s, b] (global ids, IGNORE_INDEX = -100: none), teacher in [s, b] order (``CrossTokenizerTeacher``:
     segment_ids, segment_logprobs, token_positions [s, b], token_ids, token_logprobs [S, b, K], realised_logprobs,
-    realised_slots [S, b], mid_ids, mid_logprobs [s, b, J]), loss_mask [s, b] (default 1). Every TP rank returns the same sums;
-    hidden's gradient is all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings, dW goes
-    to the weight's fp32 ``main_grad`` when it has one (``accumulate_main_grad``). Of ``options`` (with ``option_overrides``) it reads ``divergence``, ``jsd_beta``,
-    ``temperature`` (the binarisation's), ``alpha``, ``token_weight``, ``chunk_bytes``, ``kernels``: divergence on
-    the two-bucket segment events and on the token-level buckets, which are not tempered; the vocab work of the one
-    pass runs on the Triton kernels where ``kernels`` resolves to them (``auto``: CUDA, or the CPU interpreter; not
-    float64).
+    realised_slots [S, b], mid_ids, mid_logprobs [s, b, J]), loss_mask [s, b] (default 1). Every TP rank returns the
+    same sums; hidden's gradient is all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings,
+    dW goes to the weight's fp32 ``main_grad`` when it has one (``accumulate_main_grad``). Of ``options`` (with
+    ``option_overrides``) it reads ``divergence``, ``jsd_beta``, ``temperature`` (the binarisation's), ``alpha``,
+    ``token_weight``, ``chunk_bytes``, ``kernels``: divergence on the two-bucket segment events and on the token-level
+    buckets, which are not tempered; the vocab work of the one pass runs on the Triton kernels where ``kernels``
+    resolves to them (``auto``: CUDA, or the CPU interpreter; not float64).
 
     Reported figures (``KDLossResult.report``): ``segment loss`` (sum_c n_c D_c per token), ``lm loss`` (per token),
     ``segments`` (used segments per token), ``segment gap`` (mean |t_c - s_c| in nats per segment), and with the

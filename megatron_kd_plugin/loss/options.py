@@ -151,10 +151,11 @@ class KDLossResult(NamedTuple):
 
 
 def check_training_options(options: KDLossOptions, *, heal: bool) -> list[str]:
-    """Before step one of a training run on a teacher's top-K or draws (``cache.topk_rows.TopKRows.check``): combinations measured to leave a student
-    worse than it started (docs/demo.md, "The option screen": every tail x temperature x divergence x alpha on the
-    heal demo). ValueError for a combination that starves the student whatever the learning rate; the warning
-    lines for one that did at the recipe's learning rate (``heal``: the student starts from trained weights); [].
+    """Before step one of a training run on a teacher's top-K or draws (``cache.topk_rows.TopKRows.check``):
+    combinations measured to leave a student worse than it started (docs/demo.md, "The option screen": every tail x
+    temperature x divergence x alpha on the heal demo). ValueError for a combination that starves the student whatever
+    the learning rate; the warning lines for one that did at the recipe's learning rate (``heal``: the student starts
+    from trained weights); [].
 
     tail="none" with alpha = 1 or tau != 1: nothing holds the student's mass outside the teacher's top-K, and the
     loss drives it to zero (heal demo: held-out perplexity 140 -> 280 at tau 1, 1,036 at tau 2; 227 at alpha 0.5,
