@@ -187,8 +187,8 @@ def blend_override(blend: tuple[float, float], stores: dict[str, pathlib.Path]) 
 def heal_command(cfg: MixtureConfig, pruned: pathlib.Path, stores: dict[str, pathlib.Path], run_dir: pathlib.Path,
                  blend: tuple[float, float]) -> list[str]:
     """The main demo's KD heal (``pipeline.heal_arguments``) reading the blend instead of one store."""
-    arguments = [arg for arg in heal_arguments(cfg.heal, pruned, stores["code"], run_dir, alpha=cfg.heal.kd_alpha)
-                 if not arg.startswith("dataset.cache_path=")]
+    arguments = heal_arguments(cfg.heal, pruned, stores["code"], run_dir, alpha=cfg.heal.kd_alpha, lr=cfg.heal.heal_lr)
+    arguments = [arg for arg in arguments if not arg.startswith("dataset.cache_path=")]
     return package_command("train", *arguments, blend_override(blend, stores))
 
 
