@@ -97,7 +97,13 @@ def unigram_eos_student():
 
 def cross_tokenizer_row(tokens, realised_logprobs, teacher, student, seq_length, *, topk=None, mid_candidates=None):
     """The student row of one cached sample: teacher ``tokens`` [S + 1], ``realised_logprobs`` [S]; ``topk``: the
-    cached (ids, logprobs) [S, K] for the token-level term (both steps of ``cache.align``)."""
+    cached (ids, logprobs) [S, K] for the token-level term (both steps of ``cache.align``); from source 0, as
+    ``KDRows`` marks it (a DataLoader's collate takes no None)."""
+    return _row(tokens, realised_logprobs, teacher, student, seq_length, topk, mid_candidates)._replace(
+        source=torch.tensor(0))
+
+
+def _row(tokens, realised_logprobs, teacher, student, seq_length, topk, mid_candidates):
     if topk is None:
         return alignment_row(align_sample(tokens, teacher, student), realised_logprobs, seq_length)
     table = FirstTokens.compute(teacher, student)
@@ -842,7 +848,7 @@ def real_rows_case(teacher: TokenBytes, student: TokenBytes, seq: int = 24, h: i
         *topk, realised = synthetic_topk(tokens, teacher, unmapped, rng)
         rows.append(cross_tokenizer_row(tokens, realised, teacher, student, seq, topk=topk))
         targets.append(reference_targets(tokens, *topk, realised, teacher, student, int(rows[-1].loss_mask.sum())))
-    batch = tensor_map(lambda t: t.transpose(0, 1), torch.utils.data.default_collate(rows))     # [s, b, ...]
+    batch = tensor_map(lambda t: t.transpose(0, 1), torch.utils.data.default_collate(rows)._replace(source=None))  # [s, b]
     width = max(len(t) for row in targets for t in row if t)
     ids, logprobs = torch.zeros(seq, 2, width, dtype=torch.long), torch.full((seq, 2, width), -math.inf,
                                                                              dtype=torch.float64)
