@@ -14,7 +14,8 @@ The per-chunk vocab work is ``chunk_backends``' (PyTorch or Triton, ``options.ke
 Two autograd Functions run the head over the shared chunk loop (``chunk_loop``): ``fused_topk_kl`` (the top-K
 loss: summed figures, backward scaled by one incoming gradient) and ``fused_token_values`` (per-token label
 log-probs and KD values, each token's two gradients scaled by their own incoming gradients: the cross-tokenizer
-loss). ``input_grads`` / ``finish_grad`` / ``loss_totals`` are shared by every loss Function of the package.
+loss). ``input_grads`` / ``finish_grad`` / ``formed_grads`` / ``loss_totals`` are shared by every loss Function of
+the package.
 
 ``MainGrad``, megatron-core's gradient-accumulation convention for the lm_head weight: dW goes straight into DDP's
 main_grad. megatron-core's DDP gives every parameter ``main_grad`` (a view of its fp32 gradient buffer) and a flag
@@ -88,6 +89,23 @@ def finish_grad(grad: torch.Tensor | None, scale: torch.Tensor | None, dtype: to
     if scale is not None:
         grad.mul_(scale if grad.dtype in (torch.float16, torch.bfloat16) else scale.to(grad.dtype))
     return grad.to(dtype)
+
+
+def formed_grads(ctx, grad_loss: torch.Tensor, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward of a loss whose (d hidden, d weight) were formed in forward (``ctx.grads``, with ``ctx.main_grad``
+    and ``ctx.input_dtypes``): both scaled by ``grad_loss``, dW added into DDP's ``main_grad`` where it has one.
+    They are handed over once: a second backward of the same forward is a RuntimeError naming the loss."""
+    if ctx.grads == ():
+        raise RuntimeError(f"{name} supports one backward per forward")
+    (d_hidden, d_weight), ctx.grads = ctx.grads, ()
+    main_grad, ctx.main_grad = ctx.main_grad, None
+    hidden_dtype, weight_dtype = ctx.input_dtypes
+    if main_grad is not None and d_weight is not None:
+        main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
+        weight_grad = main_grad.placeholder_grad()
+    else:
+        weight_grad = finish_grad(d_weight, grad_loss, weight_dtype)
+    return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad
 
 
 def loss_totals(ctx, plan: LossPlan, totals: torch.Tensor):
@@ -259,17 +277,7 @@ class _FusedTopKKL(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         if ctx.grads is None:
             return *_recompute_backward(ctx, grad_loss.to(ctx.plan.dtype)), None, None
-        if ctx.grads == ():                                                  # grad_in_forward: scale only
-            raise RuntimeError("the fused KD loss (grad_in_forward) supports one backward per forward")
-        (d_hidden, d_weight), ctx.grads = ctx.grads, ()
-        main_grad, ctx.main_grad = ctx.main_grad, None
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        if main_grad is not None and d_weight is not None:
-            main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
-            weight_grad = main_grad.placeholder_grad()
-        else:
-            weight_grad = finish_grad(d_weight, grad_loss, weight_dtype)
-        return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad, None, None
+        return *formed_grads(ctx, grad_loss, "the fused KD loss (grad_in_forward)"), None, None
 
 
 def fused_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .chunk_loop import KDBatch, LossPlan, group_sums
-from .fused_head import finish_grad, input_grads, loss_totals, main_grad_of
+from .fused_head import formed_grads, input_grads, loss_totals, main_grad_of
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_
 
@@ -76,17 +76,7 @@ class _RenormRowsKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        if ctx.grads is None:
-            raise RuntimeError("the renorm KD loss supports one backward per forward")
-        (d_hidden, d_weight), ctx.grads = ctx.grads, None
-        main_grad, ctx.main_grad = ctx.main_grad, None
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        if main_grad is not None:
-            main_grad.buffer.add_(d_weight.mul_(grad_loss.to(d_weight.dtype)))
-            weight_grad = main_grad.placeholder_grad()
-        else:
-            weight_grad = finish_grad(d_weight, grad_loss, weight_dtype)
-        return finish_grad(d_hidden, grad_loss, hidden_dtype), weight_grad, None, None
+        return *formed_grads(ctx, grad_loss, "the renorm KD loss"), None, None
 
 
 def renorm_rows_topk_kl(hidden: torch.Tensor, weight: torch.Tensor, plan: LossPlan, batch: KDBatch):
