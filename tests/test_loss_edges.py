@@ -8,7 +8,7 @@ import torch
 
 from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case,  # noqa: F401
-                                     make_small_tail_case, one_thread, rel_err, run_loss)
+                                     make_small_tail_case, one_thread, rel_err, run_loss, teacher_of)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,3 +120,16 @@ def test_ghost_tail_is_consistent_at_every_temperature(temperature):
             got, dh, dw = run_loss(case, tail="ghost", divergence=divergence, temperature=temperature, **path)
             assert abs(float(got.loss_sum)) < 1e-12, (divergence, path, float(got.loss_sum))
             assert dh.abs().max() < 1e-12 and dw.abs().max() < 1e-12, (divergence, path)
+
+
+@pytest.mark.parametrize("options", [dict(mode="grad_in_forward"), dict(tail="renorm")])
+def test_gradients_formed_in_forward_are_handed_over_once(options):
+    """A loss whose gradients were formed in forward (grad_in_forward; the renorm rows) gives them to one backward;
+    a second backward of the same forward is refused (it would scale buffers already handed over)."""
+    case = make_case(s=2, b=5)
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    result = topk_kd_loss(hidden, weight, teacher_of(case), loss_mask=case["loss_mask"], **options)
+    result.loss_sum.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="supports one backward per forward"):
+        result.loss_sum.backward()
