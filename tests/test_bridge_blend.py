@@ -12,7 +12,6 @@ from megatron.bridge.data.base import DatasetBuildContext
 from megatron.bridge.data.samplers import build_pretraining_data_loader
 
 from megatron_kd_plugin.bridge.config import check_kd_config
-from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache.ensemble_rows import mixture_teacher
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.writer import write_cache

@@ -11,8 +11,6 @@ import collections
 import os
 import pathlib
 
-import pytest
-
 PACKAGE = "megatron_kd_plugin"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROOT = REPO / PACKAGE
