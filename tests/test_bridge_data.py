@@ -149,7 +149,8 @@ def test_kd_forward_step_refuses_mtp_students():
 def test_loss_options_that_left_a_student_worse_are_refused_or_warned_before_step_one(store, capsys):
     """The option screen's harmful combinations (docs/demo.md): tail='none' without the hard labels or at tau != 1 is
     refused in one line naming the alternative (by the train command too, before any training), a heal at
-    0 < alpha < 1 warned; the recommended settings, a from-scratch student and the CE-only control are not."""
+    0 < alpha < 1 warned, and renorm at alpha 1 for a student from random weights; the recommended settings, a
+    from-scratch student on the ghost tail and the CE-only control are not."""
     import warnings
 
     from megatron_kd_plugin.commands import train
@@ -165,6 +166,8 @@ def test_loss_options_that_left_a_student_worse_are_refused_or_warned_before_ste
     for options in (["kd.alpha=0.5"], ["kd.alpha=0.9", "kd.tail=none"], ["kd.alpha=0.5", "kd.divergence=jsd"]):
         with pytest.warns(UserWarning, match=r"^kd.alpha=0.\d mixes hard-label cross entropy into a heal"):
             check_kd_config(kd_config(store, heal, *options))
+    with pytest.warns(UserWarning, match=r"^kd.tail='renorm' at kd.alpha=1.0 teaches a student that does not start"):
+        check_kd_config(kd_config(store, "kd.tail=renorm"))             # from random weights: renorm taught nothing
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"kd\.")                # a warning of ours would raise here
         for options in ([heal], [heal, "kd.tail=renorm"], [heal, "kd.tail=ghost", "kd.temperature=2.0"],
