@@ -4,14 +4,15 @@ and the won-back shares of its table."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import pytest
 
-from megatron_kd_plugin.demo.pipeline import PRESETS, cache_command, heal_arguments, won_back
+from megatron_kd_plugin.demo.pipeline import PRESETS, cache_command, heal_arguments, load_config, won_back
 from tools.bench_heal import Heal, heal_config, table, warnings_before_step_one
 
-STORES = {"sample64": ["--draws", "64"], "topp0.9": ["--top-p", "0.9"]}
+STORES = {"sample64": ["--draws", "64"], "top100": ["--topk", "100"], "topp0.9": ["--top-p", "0.9"]}
 
 
 def test_a_heal_splits_its_own_keys_from_the_train_overrides_kept_in_order():
@@ -21,9 +22,9 @@ def test_a_heal_splits_its_own_keys_from_the_train_overrides_kept_in_order():
     assert heal.name == "kd.alpha=1.0 lr=1e-3 steps=300 store=sample64 kd.tail=sampled samples=800"
     assert heal.folder == "kd.alpha_1.0__lr_1e-3__steps_300__store_sample64__kd.tail_sampled__samples_800"
     plain = Heal.parse("kd.alpha=0", STORES)
-    assert (plain.lr, plain.steps, plain.samples, plain.store, plain.overrides) == (None, None, None, "topk",
+    assert (plain.lr, plain.steps, plain.samples, plain.store, plain.overrides) == (None, None, None, "demo",
                                                                                     ("kd.alpha=0",))
-    for bad, match in (("kd.alpha", "KEY=VALUE"), ("", "KEY=VALUE"), ("store=sample8", "neither topk nor")):
+    for bad, match in (("kd.alpha", "KEY=VALUE"), ("", "KEY=VALUE"), ("store=sample8", "neither demo nor")):
         with pytest.raises(ValueError, match=match):
             Heal.parse(bad, STORES)
 
@@ -45,13 +46,33 @@ def test_the_heal_command_is_the_demos_with_the_overrides_last(tmp_path):
 
 def test_a_store_keeps_the_cap_of_a_top_p_selection_and_drops_it_for_draws(tmp_path):
     cfg, corpus = PRESETS["default"], type("Corpus", (), {"train_prefix": tmp_path / "train"})
-    command = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr")
-    assert command[command.index("--topk") + 1] == str(cfg.topk) and "--draws" not in command
+    command = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr")     # the demo's own: its draws
+    assert command[command.index("--draws") + 1] == str(cfg.draws) and "--topk" not in command
+    assert command[command.index("--draw-seed") + 1] == str(cfg.seed)
+    top_k_cfg = dataclasses.replace(cfg, draws=0, kd_tail="renorm")
+    top_k = cache_command(top_k_cfg, corpus, tmp_path / "t", tmp_path / "s.zarr")
+    assert top_k[top_k.index("--topk") + 1] == str(cfg.topk) and "--draws" not in top_k
+    assert cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr", STORES["top100"]) == [
+        *command[:command.index("--draws")], "--topk", "100", *command[command.index("--draw-seed") + 2:]]
     sampled = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr", STORES["sample64"])
     assert "--topk" not in sampled and sampled[sampled.index("--draws") + 1] == "64"
     top_p = cache_command(cfg, corpus, tmp_path / "t", tmp_path / "s.zarr", STORES["topp0.9"])
     assert top_p[top_p.index("--topk") + 1] == str(cfg.topk) and top_p[top_p.index("--top-p") + 1] == "0.9"
     assert command[command.index("--num-samples") + 1] == str(cfg.cache_samples)
+
+
+def test_the_demo_pairs_its_store_kind_with_its_tail_and_reads_a_folder_from_before_draws(tmp_path):
+    cfg = PRESETS["default"]
+    assert (cfg.cache_selection[:2], cfg.teacher_rows, cfg.kd_tail) == (["--draws", "64"], "64 draws", "sampled")
+    for draws, tail in ((64, "renorm"), (0, "sampled"), (-1, "sampled")):
+        with pytest.raises(ValueError, match=f"draws={draws} with kd_tail='{tail}'"):
+            dataclasses.replace(cfg, draws=draws, kd_tail=tail)
+    older = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in ("draws", "kd_tail")}
+    (tmp_path / "config.json").write_text(json.dumps(older))
+    loaded = load_config(tmp_path)
+    assert (loaded.draws, loaded.kd_tail, loaded.cache_selection) == (0, "ghost", ["--topk", "100"])
+    (tmp_path / "config.json").write_text(json.dumps(dict(older, kd_tail="renorm")))
+    assert (load_config(tmp_path).kd_tail, load_config(tmp_path).teacher_rows) == ("renorm", "top-100")
 
 
 def test_won_back_is_the_share_of_the_pruning_cost_and_the_table_shows_it():

@@ -3,9 +3,9 @@ train command, and every healed student evaluated by the demo's own metrics; one
 
     python -m megatron_kd_plugin demo --seed 7 --output outputs/demo_7          # once per seed
     python tools/bench_heal.py outputs/demo_7 --output bench_results/heal_7 \\
-        --store draws64="--draws 64" --store topp0.9="--top-p 0.9" \\
-        "kd.alpha=0" "kd.alpha=0 lr=1e-3" "kd.alpha=1.0 lr=1e-3" "kd.alpha=1.0 lr=1e-3 steps=300" \\
-        "kd.alpha=1.0 store=draws64 kd.tail=sampled" "kd.alpha=1.0 store=topp0.9"
+        --store top100="--topk 100" --store topp0.9="--top-p 0.9" \\
+        "kd.alpha=0" "kd.alpha=0 lr=1e-3" "lr=3e-4" "steps=200" \\
+        "store=top100 kd.tail=renorm" "store=topp0.9 kd.tail=renorm"
 
 Each positional argument is one heal: space-separated words, each either
 
@@ -13,7 +13,7 @@ Each positional argument is one heal: space-separated words, each either
     steps=N       optimizer steps, with the demo's warm-up (N/10), logging and final checkpoint (default: the demo's)
     samples=N     cached samples the heal reads (default steps x micro-batch: one epoch, as in the demo; fewer: more
                   epochs over them)
-    store=NAME    ``topk`` (default: the demo's ``--topk K``) or a ``--store`` name
+    store=NAME    ``demo`` (default: the demo's own store kind, ``cache_selection``) or a ``--store`` name
     KEY=VALUE     any train override (``kd.*``, ``optimizer.*``, ``train.*``, ...), appended after the demo's own
 
 The heal is the demo's KD heal (``pipeline.heal_arguments``: the demo's recipe, pruned student, seed, batch,
@@ -21,8 +21,8 @@ schedule, ``kd.alpha`` and ``kd.tail``, from the folder's ``config.json``) with 
 -m megatron_kd_plugin train ...`` into ``OUTPUT/runs/<heal>/``; its exported HF student is evaluated against the
 demo's teacher on the demo's held-out tokens (``pipeline.evaluate_folders``: perplexity, KL(teacher ‖ student) over
 the full vocabulary). ``--store NAME="ARGS"``: a store written by the package's cache command from the demo's
-teacher with ARGS in place of ``--topk K`` (a top-p store keeps ``--topk K`` as its cap), one per number of samples,
-under ``OUTPUT/stores/``; the ``topk`` store of the demo's own samples is the demo's ``cache.zarr``. A heal whose
+teacher with ARGS in place of the demo's selection (a top-p store keeps ``--topk K`` as its cap), one per number of
+samples, under ``OUTPUT/stores/``; the ``demo`` store of the demo's own samples is the demo's ``cache.zarr``. A heal whose
 result is in ``OUTPUT/runs/<heal>/result.json`` is not run again. A heal the train command refuses, or that fails,
 is a row saying so; a warning the train command printed before step one is shown under the table.
 
@@ -72,9 +72,9 @@ class Heal:
             key, value = word.split("=", 1)
             if key in KEYS:
                 keys[key] = value
-        store = keys.get("store", "topk")
-        if store != "topk" and store not in stores:
-            raise ValueError(f"heal {text!r}: store={store} is neither topk nor a --store name ({sorted(stores)})")
+        store = keys.get("store", "demo")
+        if store != "demo" and store not in stores:
+            raise ValueError(f"heal {text!r}: store={store} is neither demo nor a --store name ({sorted(stores)})")
         return cls(name=" ".join(words), lr=float(keys["lr"]) if "lr" in keys else None,
                    steps=int(keys["steps"]) if "steps" in keys else None,
                    samples=int(keys["samples"]) if "samples" in keys else None, store=store,
@@ -99,7 +99,7 @@ def store_path(demo: pathlib.Path, output: pathlib.Path, demo_cfg, name: str, sa
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.demo.pipeline import cache_command, run_command
 
-    if name == "topk" and samples == demo_cfg.cache_samples:
+    if name == "demo" and samples == demo_cfg.cache_samples:
         return demo / "cache.zarr"
     path = output / "stores" / f"{name}-{samples}.zarr"
     try:
@@ -219,8 +219,8 @@ def table(base: dict, rows: list[dict]) -> str:
 
 def parse_store(text: str) -> tuple[str, list[str]]:
     name, _, args = text.partition("=")
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name == "topk" or not args.split():
-        raise argparse.ArgumentTypeError(f"--store {text!r}: expected NAME=\"CACHE ARGS\" (NAME not topk)")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name == "demo" or not args.split():
+        raise argparse.ArgumentTypeError(f"--store {text!r}: expected NAME=\"CACHE ARGS\" (NAME not demo)")
     return name, args.split()
 
 

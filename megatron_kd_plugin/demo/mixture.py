@@ -224,7 +224,8 @@ def results_table(cfg: MixtureConfig, metrics: dict, forwards: dict[str, int], s
     heals = len(cfg.blends)
     lines += ["", f"{heals} heals of {cfg.heal.heal_steps} steps x {cfg.heal.micro_batch_size} rows of "
                   f"{cfg.heal.seq_length} tokens (alpha {cfg.heal.kd_alpha}, {cfg.heal.kd_tail} tail, lr "
-                  f"{cfg.heal.heal_lr:g}, top-{cfg.heal.topk}) from the same pruned student; the teacher ran {cached:,} sample forwards, once, for the two caches; a heal runs it "
+                  f"{cfg.heal.heal_lr:g}, {cfg.heal.teacher_rows}) from the same pruned student; the teacher ran "
+                  f"{cached:,} sample forwards, once, for the two caches; a heal runs it "
                   f"never (a teacher run per heal would have been {heals} x {cfg.heal.cache_samples:,} = "
                   f"{heals * cfg.heal.cache_samples:,} sample forwards for these {heals} blends, and one more per "
                   "further blend)."]

@@ -17,8 +17,8 @@ user runs them, and are written to ``commands.sh``):
              tokenizer beside it (``teacher/``);
 3. compress  the teacher pruned in depth and width (``megatron_kd_plugin.demo.qwen3_models.compress``): the student to
              heal, a HF folder (``student_pruned/``);
-4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 ...``: the teacher's
-             top-K over the samples the students will read (``cache.zarr``);
+4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 --draws 64 ...``: 64
+             ids per token drawn from the teacher over the samples the students will read (``cache.zarr``);
 5. plan      ``python -m megatron_kd_plugin plan`` with the heal's own arguments (``plan.txt``);
 6. heal      ``python -m megatron_kd_plugin train --recipe hf_student_kd_cpu_fp32_config --hf-path student_pruned/``
              twice from the same pruned weights, tokens, steps, schedule and seed: ``heal_kd/`` with the cache's
@@ -81,9 +81,10 @@ class HealConfig:
     """Share of each kept MLP's channels the student keeps (width pruning, by activation)."""
     calibration_samples: int = 16
     """Train samples whose activations rank the MLP channels."""
-    heal_steps: int = 300
-    """Optimizer steps of each heal (the budget KD and CE share; one epoch of as many cached samples). 300 won back
-    79-90 % of what pruning cost where 100 won back 61-70 % (the heal sweeps, docs/demo.md)."""
+    heal_steps: int = 200
+    """Optimizer steps of each heal (the budget KD and CE share; one epoch of as many cached samples). With 64 draws,
+    200 won back 87-89 % of the perplexity pruning cost and 84 % of the KL (300: 91-95 % / 86-89 %, ~1.5 min more
+    of the demo's ~7; the heal sweeps, docs/demo.md)."""
     heal_lr: float = 1e-3
     """The KD heal's peak learning rate (10 % warm-up, then cosine to a tenth): the best of 1e-4 ... 3e-3 at
     alpha = 1 in the heal sweeps (5e-4 ... 1e-3 within a point; 2e-3 and above worse)."""
@@ -91,14 +92,17 @@ class HealConfig:
     """The CE heal's peak learning rate (same schedule): the CE control's own best held-out perplexity in the heal
     sweeps at 300 steps (3e-4 ... 3e-3, both seeds; still falling at 3e-3, the largest tried, while its KL to the
     teacher grows: docs/demo.md). A control run below its best rate would flatter KD."""
+    draws: int = 64
+    """Teacher ids drawn per token into the cache (``--draws N``, a sampled store); 0 caches the top-``topk``
+    instead. 64 draws healed more than the top-100 at 0.87x its bytes in the heal sweeps (200 and 300 steps)."""
     topk: int = 100
-    """Teacher top-K cached per token."""
+    """Teacher top-K cached per token when ``draws`` is 0."""
     kd_alpha: float = 1.0
     """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0). 1: every alpha < 1 healed
     less, and at lr 1e-3 moved the student away from the teacher (docs/demo.md)."""
-    kd_tail: str = "renorm"
-    """The KD heal's tail (``kd.tail``): renorm healed more than ghost in the heal sweeps, at 100 and 300 steps, on
-    both seeds."""
+    kd_tail: str = "sampled"
+    """The KD heal's tail (``kd.tail``): ``sampled`` for drawn rows; with a top-K store (``draws=0``) ``renorm``
+    healed more than ``ghost`` in the heal sweeps, at 100, 200 and 300 steps."""
     cache_tp: int = 2
     """Tensor-parallel size (= processes) of the caching run."""
     eval_samples: int = 64
@@ -111,6 +115,19 @@ class HealConfig:
                 raise ValueError(f"HealConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kd_alpha <= 1:
             raise ValueError(f"HealConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
+        if self.draws < 0 or (self.draws > 0) != (self.kd_tail == "sampled"):
+            raise ValueError(f"HealConfig: draws={self.draws} with kd_tail={self.kd_tail!r}: drawn rows (draws > 0) "
+                             "take the 'sampled' tail, a top-K store (draws = 0) 'renorm' or 'ghost'")
+
+    @property
+    def cache_selection(self) -> list[str]:
+        """What the cache keeps per token: ``--draws N`` (drawn with the demo's seed) or ``--topk K``."""
+        return ["--draws", str(self.draws), "--draw-seed", str(self.seed)] if self.draws else ["--topk", str(self.topk)]
+
+    @property
+    def teacher_rows(self) -> str:
+        """The cached teacher rows in words, for tables and plots: ``64 draws`` or ``top-100``."""
+        return f"{self.draws} draws" if self.draws else f"top-{self.topk}"
 
     @property
     def cache_samples(self) -> int:
@@ -131,6 +148,8 @@ class HealConfig:
 def load_config(folder: pathlib.Path) -> HealConfig:
     """The ``HealConfig`` a finished demo folder was made with (its ``config.json``)."""
     fields = json.loads((folder / "config.json").read_text())
+    fields.setdefault("draws", 0)             # folders from before draws were the default cached the top-K,
+    fields.setdefault("kd_tail", "ghost")     # and from before kd_tail existed healed with the ghost tail
     return HealConfig(**dict(fields, corpus=CorpusConfig(**fields["corpus"]), teacher=Qwen3Shape(**fields["teacher"]),
                              keep_layers=tuple(fields["keep_layers"])))
 
@@ -146,7 +165,7 @@ PRESETS = {
         teacher=Qwen3Shape(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, intermediate_size=128),
         teacher_steps=200, keep_layers=(1,), mlp_keep=0.5, calibration_samples=4, heal_steps=8, micro_batch_size=4,
-        topk=16, eval_samples=4, ce_lr=5e-4),
+        draws=16, eval_samples=4, ce_lr=5e-4),
 }
 
 
@@ -209,9 +228,12 @@ def package_command(*args: str) -> list[str]:
 def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path,
                   selection: list[str] | None = None) -> list[str]:
     """The cache command writing ``cfg.cache_samples`` samples; ``selection``: what each token keeps (default
-    ``--topk cfg.topk``; e.g. ``--draws 64``, or ``--top-p 0.9``, capped by ``--topk cfg.topk``)."""
-    if selection is None or "--draws" not in selection and "--topk" not in selection:
-        selection = ["--topk", str(cfg.topk), *(selection or [])]
+    ``cfg.cache_selection``; e.g. ``--topk 100``, ``--draws 64``, or ``--top-p 0.9``, capped by ``--topk
+    cfg.topk``)."""
+    if selection is None:
+        selection = cfg.cache_selection
+    elif "--draws" not in selection and "--topk" not in selection:
+        selection = ["--topk", str(cfg.topk), *selection]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
             "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
             "--output", str(store), "--seq-length", str(cfg.seq_length), *selection,
@@ -322,7 +344,7 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
                          f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
               "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
                         f", {params['student'] / 1e6:.2f}M params",
-              "healed KD": f"{cfg.heal_steps} steps, lr {cfg.heal_lr:g}, alpha {cfg.kd_alpha}, top-{cfg.topk}, "
+              "healed KD": f"{cfg.heal_steps} steps, lr {cfg.heal_lr:g}, alpha {cfg.kd_alpha}, {cfg.teacher_rows}, "
                            f"{cfg.kd_tail} tail",
               "healed CE": f"{cfg.heal_steps} steps, lr {cfg.ce_lr:g}, alpha 0"}
     lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
@@ -381,7 +403,7 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     (output / "history.json").write_text(json.dumps({"teacher": teacher_history, "heal_kd": histories["KD"],
                                                      "heal_ce": histories["CE"]}) + "\n")
     plot_results(metrics, histories, output / "results.png",
-                 kd_label=f"forward KL to the cached top-{cfg.topk} ({cfg.kd_tail} tail)")
+                 kd_label=f"forward KL to the cached {cfg.teacher_rows} ({cfg.kd_tail} tail)")
     seconds["total"] = sum(seconds.values())
     result = {"metrics": metrics, "outcome": outcome(metrics), "params": params, "seconds": seconds}
     (output / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
