@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from megatron_kd_plugin.demo.pipeline import PRESETS, cache_command, heal_arguments, load_config, won_back
-from tools.bench_heal import Heal, heal_config, table, warnings_before_step_one
+from tools.bench_heal import Heal, check_store_tail, heal_config, table, warnings_before_step_one
 
 STORES = {"sample64": ["--draws", "64"], "top100": ["--topk", "100"], "topp0.9": ["--top-p", "0.9"]}
 
@@ -35,8 +35,8 @@ def test_the_heal_command_is_the_demos_with_the_overrides_last(tmp_path):
     heal = Heal.parse("kd.alpha=1.0 lr=2e-3 steps=300", STORES)
     cfg = heal_config(demo, heal)
     assert (cfg.heal_steps, cfg.heal_lr, cfg.cache_samples) == (300, 2e-3, 300 * demo.micro_batch_size)
-    arguments = [*heal_arguments(cfg, tmp_path / "s", tmp_path / "c", tmp_path / "r", alpha=demo.kd_alpha, lr=cfg.heal_lr),
-                 *heal.overrides]
+    arguments = [*heal_arguments(cfg, tmp_path / "s", tmp_path / "c", tmp_path / "r", alpha=demo.kd_alpha,
+                                 lr=cfg.heal_lr), *heal.overrides]
     for expected in ("train.train_iters=300", "optimizer.lr=0.002", "optimizer.min_lr=0.0002",
                      "scheduler.lr_warmup_iters=30"):
         assert expected in arguments, expected
@@ -64,7 +64,7 @@ def test_a_store_keeps_the_cap_of_a_top_p_selection_and_drops_it_for_draws(tmp_p
 def test_the_demo_pairs_its_store_kind_with_its_tail_and_reads_a_folder_from_before_draws(tmp_path):
     cfg = PRESETS["default"]
     assert (cfg.cache_selection[:2], cfg.teacher_rows, cfg.kd_tail) == (["--draws", "64"], "64 draws", "sampled")
-    for draws, tail in ((64, "renorm"), (0, "sampled"), (-1, "sampled")):
+    for draws, tail in ((64, "renorm"), (0, "sampled"), (0, "none"), (-1, "sampled")):
         with pytest.raises(ValueError, match=f"draws={draws} with kd_tail='{tail}'"):
             dataclasses.replace(cfg, draws=draws, kd_tail=tail)
     older = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in ("draws", "kd_tail")}
@@ -73,6 +73,22 @@ def test_the_demo_pairs_its_store_kind_with_its_tail_and_reads_a_folder_from_bef
     assert (loaded.draws, loaded.kd_tail, loaded.cache_selection) == (0, "ghost", ["--topk", "100"])
     (tmp_path / "config.json").write_text(json.dumps(dict(older, kd_tail="renorm")))
     assert (load_config(tmp_path).kd_tail, load_config(tmp_path).teacher_rows) == ("renorm", "top-100")
+
+
+def test_a_heal_whose_tail_does_not_fit_its_store_is_refused_before_it_runs():
+    drawn_demo, top_k_demo = PRESETS["default"], dataclasses.replace(PRESETS["default"], draws=0, kd_tail="renorm")
+    fits = [(drawn_demo, "kd.alpha=0 lr=2e-3"), (drawn_demo, "store=top100 kd.tail=renorm"),
+            (drawn_demo, "store=topp0.9 kd.tail=ghost"), (top_k_demo, "steps=200"),
+            (top_k_demo, "store=sample64 kd.tail=sampled"),
+            (drawn_demo, "kd.tail=renorm store=sample64 kd.tail=sampled")]
+    for demo, words in fits:
+        check_store_tail(demo, Heal.parse(words, STORES), STORES)
+    refused = [(drawn_demo, "store=top100", "store=top100 holds a top-K and the heal's tail is 'sampled'"),
+               (drawn_demo, "kd.tail=renorm", "store=demo holds draws and the heal's tail is 'renorm'"),
+               (top_k_demo, "store=sample64", "store=sample64 holds draws and the heal's tail is 'renorm'")]
+    for demo, words, match in refused:
+        with pytest.raises(ValueError, match=match):
+            check_store_tail(demo, Heal.parse(words, STORES), STORES)
 
 
 def test_won_back_is_the_share_of_the_pruning_cost_and_the_table_shows_it():
@@ -106,10 +122,6 @@ def test_only_the_loss_options_warnings_before_step_one_are_collected(tmp_path):
 
 
 def test_a_demo_folder_gives_back_its_config(tmp_path):
-    import json
-
-    from megatron_kd_plugin.demo.pipeline import load_config
-
     cfg = dataclasses.replace(PRESETS["mini"], seed=7, heal_steps=3)
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     assert load_config(pathlib.Path(tmp_path)) == cfg

@@ -4,7 +4,7 @@ log_softmax, the importance weights are unbiased for p, and TP=2/4 draw exactly 
 import pytest
 import torch
 
-from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
+from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, shard_offsets, vocab_parallel_draws
 from tests.distributed import run_on_ranks
 
 S, B, V = 5, 2, 24
@@ -59,6 +59,19 @@ def test_importance_weights_are_unbiased_for_p(t):
     torch.testing.assert_close(p_hat.sum(-1).mean(), torch.tensor(1.0, dtype=torch.float64), atol=0.02, rtol=0)
     if t == 1.0:
         assert torch.equal(weights, torch.full_like(weights, 1 / n))
+
+
+def test_the_owner_of_a_draw_never_gets_a_target_below_its_shard():
+    """u · ΣT at a shard's first end belongs to the next shard; its local target must be >= 0 (with ``ends - masses``
+    as the offset, masses [0.1, 0.2] gave -2.8e-17 there, which drew the shard's first id whatever its weight)."""
+    masses = torch.tensor([[0.1, 0.2], [0.3, 0.7], [1e-3, 0.123456789]], dtype=torch.float64)
+    ends = masses.cumsum(-1)
+    targets = torch.cat([ends[:, :1], torch.rand(3, 1000, dtype=torch.float64) * ends[:, -1:]], dim=-1)
+    owner = torch.searchsorted(ends, targets, right=True).clamp(max=1)
+    local = targets - shard_offsets(ends).gather(-1, owner)
+    assert (local >= 0).all()
+    assert torch.equal(shard_offsets(ends)[:, 0], torch.zeros(3, dtype=torch.float64))
+    assert ((targets[:1, :1] - (ends - masses)[:1, 1:]) < 0).all()          # the old offset, at the boundary
 
 
 def tp_case_logits():

@@ -13,7 +13,9 @@ Each positional argument is one heal: space-separated words, each either
     steps=N       optimizer steps, with the demo's warm-up (N/10), logging and final checkpoint (default: the demo's)
     samples=N     cached samples the heal reads (default steps x micro-batch: one epoch, as in the demo; fewer: more
                   epochs over them)
-    store=NAME    ``demo`` (default: the demo's own store kind, ``cache_selection``) or a ``--store`` name
+    store=NAME    ``demo`` (default: the demo's own store kind, ``cache_selection``) or a ``--store`` name; a heal
+                  on a store of another kind than the demo's gives its tail (``kd.tail=...``: the demo's own is
+                  passed otherwise), or is refused before anything runs
     KEY=VALUE     any train override (``kd.*``, ``optimizer.*``, ``train.*``, ...), appended after the demo's own
 
 The heal is the demo's KD heal (``pipeline.heal_arguments``: the demo's recipe, pruned student, seed, batch,
@@ -22,9 +24,9 @@ schedule, ``kd.alpha`` and ``kd.tail``, from the folder's ``config.json``) with 
 demo's teacher on the demo's held-out tokens (``pipeline.evaluate_folders``: perplexity, KL(teacher ‖ student) over
 the full vocabulary). ``--store NAME="ARGS"``: a store written by the package's cache command from the demo's
 teacher with ARGS in place of the demo's selection (a top-p store keeps ``--topk K`` as its cap), one per number of
-samples, under ``OUTPUT/stores/``; the ``demo`` store of the demo's own samples is the demo's ``cache.zarr``. A heal whose
-result is in ``OUTPUT/runs/<heal>/result.json`` is not run again. A heal the train command refuses, or that fails,
-is a row saying so; a warning the train command printed before step one is shown under the table.
+samples, under ``OUTPUT/stores/``; the ``demo`` store of the demo's own samples is the demo's ``cache.zarr``. A heal
+whose result is in ``OUTPUT/runs/<heal>/result.json`` is not run again. A heal the train command refuses, or that
+fails, is a row saying so; a warning the train command printed before step one is shown under the table.
 
 Columns: bytes per token of the store on disk (as ``python -m megatron_kd_plugin inspect STORE`` counts them), held-out
 perplexity and KL, and the share of what pruning cost that the heal won back: (pruned - healed) / (pruned -
@@ -85,6 +87,18 @@ class Heal:
         """The heal's run folder name: its words, joined by ``__``, ``=`` and anything unusual as ``_`` (Bridge's
         overrides cannot hold a ``=`` in a path)."""
         return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name.replace(" ", "__"))
+
+
+def check_store_tail(demo_cfg, heal: Heal, stores: dict[str, list[str]]) -> None:
+    """ValueError (one line) if the heal's tail does not fit the kind of store it reads: its last ``kd.tail=`` word,
+    else the demo's own ``kd_tail``; a store of draws takes ``sampled``, a top-K or top-p store another tail."""
+    drawn = demo_cfg.draws > 0 if heal.store == "demo" else "--draws" in stores[heal.store]
+    tails = [word.split("=", 1)[1] for word in heal.overrides if word.startswith("kd.tail=")]
+    tail = tails[-1] if tails else demo_cfg.kd_tail
+    if drawn != (tail == "sampled"):
+        wanted = "kd.tail=sampled" if drawn else "kd.tail=renorm (or ghost)"
+        raise ValueError(f"heal {heal.name!r}: store={heal.store} holds {'draws' if drawn else 'a top-K'} and the "
+                         f"heal's tail is {tail!r} (the demo's, unless a kd.tail= word is given): add {wanted}")
 
 
 def heal_config(demo_cfg, heal: Heal):
@@ -237,14 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = args.demo.resolve()
     if not (demo / "student_pruned" / "config.json").is_file() or not (demo / "cache.zarr").is_dir():
         parser.error(f"{args.demo}: not a finished heal demo folder (no student_pruned/ or cache.zarr)")
-    stores = dict(args.store)
+    stores, demo_cfg = dict(args.store), load_config(demo)
     try:
         heals = [Heal.parse(text, stores) for text in args.heals]
+        for heal in heals:
+            check_store_tail(demo_cfg, heal, stores)
     except ValueError as error:
         parser.error(str(error))
     output = (args.output or demo / "bench_heal").resolve()
     output.mkdir(parents=True, exist_ok=True)
-    demo_cfg, corpus = load_config(demo), DemoCorpus.load(demo / "data")
+    corpus = DemoCorpus.load(demo / "data")
     base = base_metrics(demo, output, demo_cfg, corpus)
     rows = []
     for heal in heals:

@@ -104,6 +104,14 @@ def vocab_parallel_draws(logits: torch.Tensor, uniforms: torch.Tensor, *, temper
     return _draw_block(logits, uniforms, temperature, proposal_temperature, tp_group)
 
 
+def shard_offsets(ends: torch.Tensor) -> torch.Tensor:
+    """O_r, the mass of the shards before shard r, from ``ends`` [..., tp] (O_r + T_r): the ends shifted by one, the
+    very sums the owner search compares u · ΣT with, so the owner's local target u · ΣT − O_r is never below 0
+    (``ends − masses`` can exceed O_r by an ulp, and a negative target would draw the shard's first id, of any
+    weight, 0 included)."""
+    return torch.cat([torch.zeros_like(ends[..., :1]), ends[..., :-1]], dim=-1)
+
+
 def _draw_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, proposal_temperature: float,
                   tp_group) -> TeacherDraws:
     """:func:`vocab_parallel_draws` on one block of positions."""
@@ -130,7 +138,7 @@ def _draw_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float
     target = uniforms.to(device=ends.device, dtype=torch.float64) * ends[..., -1:]      # [s, b, N] u · ΣT
     owner = torch.minimum(torch.searchsorted(ends, target.contiguous(), right=True),   # [s, b, N]
                           last_index(masses > 0))                                # u · ΣT rounded up to ΣT
-    local = torch.searchsorted(cdf, target - (ends - masses)[..., rank:rank + 1], right=True)
+    local = torch.searchsorted(cdf, target - shard_offsets(ends)[..., rank:rank + 1], right=True)
     local = torch.minimum(local, last_index(weights > 0))                        # rounding past the shard's end
     mine = owner == rank
     ids = torch.where(mine, local + rank * vocab_local, 0)                       # [s, b, N] int64

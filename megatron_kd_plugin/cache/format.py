@@ -49,7 +49,7 @@ Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issu
 draws per token from the proposal q ∝ p^(1/t) (``draws.py``): ``teacher_ids`` holds the N drawn ids sorted
 ascending with duplicates kept (a repeat delta-codes to 0, so the multiplicity costs ~nothing; this measured
 smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` the teacher's l of each (same
-codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [N, S] = G = logsumexp_v(l_v / t). A reader
+codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [samples, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``draws.draw_weights``).
 
 Top-p stores (``top_p`` set, ``cache --top-p P --min-k M``, issue #21, format version 4): K is the cap; row t keeps

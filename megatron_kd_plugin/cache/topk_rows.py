@@ -49,7 +49,8 @@ class TopKRows(RowKind):
         """ValueError for a tail these slots cannot serve."""
         if options.tail == "sampled":
             raise ValueError(f"kd.tail='sampled' does not fit the {self.mode} store {self.reader.path}: it needs a "
-                             "store written with --draws N; use another tail")
+                             "store written with --draws N; use kd.tail='renorm' (a student from trained weights) or "
+                             "'ghost'")
 
     def rows_per_sample(self) -> int:
         return self.reader.spec.seq_length // self.seq_length

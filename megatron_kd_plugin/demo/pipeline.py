@@ -83,7 +83,7 @@ class HealConfig:
     """Train samples whose activations rank the MLP channels."""
     heal_steps: int = 200
     """Optimizer steps of each heal (the budget KD and CE share; one epoch of as many cached samples). With 64 draws,
-    200 won back 87-89 % of the perplexity pruning cost and 84 % of the KL (300: 91-95 % / 86-89 %, ~1.5 min more
+    200 won back 87-89 % of the perplexity pruning cost and 84 % of the KL (300: 91-95 % / 86-89 %, ~2 min more
     of the demo's ~7; the heal sweeps, docs/demo.md)."""
     heal_lr: float = 1e-3
     """The KD heal's peak learning rate (10 % warm-up, then cosine to a tenth): the best of 1e-4 ... 3e-3 at
@@ -116,7 +116,7 @@ class HealConfig:
                 raise ValueError(f"HealConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kd_alpha <= 1:
             raise ValueError(f"HealConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
-        if self.draws < 0 or (self.draws > 0) != (self.kd_tail == "sampled"):
+        if self.draws < 0 or self.kd_tail not in (("sampled",) if self.draws else ("renorm", "ghost")):
             raise ValueError(f"HealConfig: draws={self.draws} with kd_tail={self.kd_tail!r}: drawn rows (draws > 0) "
                              "take the 'sampled' tail, a top-K store (draws = 0) 'renorm' or 'ghost'")
 
@@ -160,14 +160,14 @@ PRESETS = {
     # for tests: same stages and commands, toy sizes; 200 teacher steps of 4 x 32 tokens put the teacher well below
     # the unigram baseline (perplexity ~104 against ~197), so pruning costs it something to heal; its 8-step CE heal
     # keeps 5e-4 (the default's 2e-3 is the best of a 200-step sweep; at 8 steps it is a different heal, unmeasured);
-    # 16 draws per token of its 512-token vocabulary
+    # 16 draws per token of its 512-token vocabulary (or its top-16, with draws=0)
     "mini": HealConfig(
         corpus=CorpusConfig(vocab_size=512, train_bytes=150_000, heldout_bytes=30_000),
         seq_length=32,
         teacher=Qwen3Shape(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, intermediate_size=128),
         teacher_steps=200, keep_layers=(1,), mlp_keep=0.5, calibration_samples=4, heal_steps=8, micro_batch_size=4,
-        draws=16, eval_samples=4, ce_lr=5e-4),
+        draws=16, topk=16, eval_samples=4, ce_lr=5e-4),
 }
 
 
