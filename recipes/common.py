@@ -62,16 +62,16 @@ def kd_hf_student_config(hf_path: str, *, cache_path: str, run_name: str, seq_le
     exported as a HF folder (``checkpoint.also_save_hf_checkpoint``, templated on the student's own files).
 
     A heal: pure KD (``kd.alpha`` 1), forward KL at tau 1 with the ``renorm`` tail. Measured on the demo's pruned
-    Qwen3, two seeds (docs/demo.md, the heal sweeps): renorm healed more than ghost (at 100, 200 and 300 steps), tau 2 and
-    reverse KL / JSD no better than tau 1 forward KL, and every alpha < 1 less than 1 (at lr 1e-3 it left the student
-    further from its teacher than pruning had). renorm trains only the shape within the teacher's top-K and never
-    moves the student's mass outside it, which a trained student already holds: a student far from its teacher there
-    (from random weights, or pruned past repair) wants ``kd.tail=ghost``. A sampled store (``cache --draws N``; 64
-    draws healed the demo's student more than the top-100 at 0.87x its bytes) takes ``kd.tail=sampled``, and the rows
-    refuse any other tail before step one, naming it. Judgement, not measured here: the learning rate of these GPU
-    recipes, 1e-4 with cosine to 1e-5 (the demo's 3M-parameter student healed best at 1e-3; a 0.6B-8B student takes a
-    smaller step; 1e-4 peak, cosine decay, tens of warm-up steps, logit-only KL is what NVIDIA's Minitron used to heal
-    pruned 4B-8B models, arXiv 2408.11796)."""
+    Qwen3, two seeds (docs/demo.md, the heal sweeps): renorm healed more than ghost (at 100, 200 and 300 steps), tau 2
+    and reverse KL / JSD no better than tau 1 forward KL, and every alpha < 1 less than 1 (at lr 1e-3 it left the
+    student further from its teacher than pruning had). renorm trains only the shape within the teacher's top-K and
+    never moves the student's mass outside it, which a trained student already holds: a student far from its teacher
+    there (from random weights, or pruned past repair) wants ``kd.tail=ghost``. A sampled store (``cache --draws N``;
+    64 draws healed the demo's student more than the top-100 at 0.87x its bytes) takes ``kd.tail=sampled``, and the
+    rows refuse any other tail before step one, naming it. Judgement, not measured here: the learning rate of these
+    GPU recipes, 1e-4 with cosine to 1e-5 (the demo's 3M-parameter student healed best at 1e-3; a 0.6B-8B student
+    takes a smaller step; 1e-4 peak, cosine decay, tens of warm-up steps, logit-only KL is what NVIDIA's Minitron used
+    to heal pruned 4B-8B models, arXiv 2408.11796)."""
     folder = resolve_hf_folder(hf_path)
     model = student_provider(folder, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     model.seq_length = seq_length
