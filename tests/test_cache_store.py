@@ -5,6 +5,7 @@ import json
 import pathlib
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import zarr
 
 from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader, row_kind
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.records import shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows, jsonl_windows
 from megatron_kd_plugin.cache.writer import write_cache
 
@@ -200,7 +202,7 @@ def _shard_index(path):
 
 def _repoint(store):
     """Shard 0 of teacher_ids: chunk 1's index entry pointed at chunk 2's bytes, the index CRC left as it was."""
-    shard = store / fmt.IDS / "c" / "0" / "0" / "0"
+    shard = store / fmt.IDS / "c.0.0.0"
     index, start = _shard_index(shard)
     index[1] = index[2]
     data = bytearray(shard.read_bytes())
@@ -210,7 +212,7 @@ def _repoint(store):
 
 def _flip(store):
     """One bit flipped in the middle of sample 1's token chunk."""
-    shard = store / fmt.TOKENS / "c" / "0" / "0"
+    shard = store / fmt.TOKENS / "c.0.0"
     offset, nbytes = _shard_index(shard)[0][1]
     data = bytearray(shard.read_bytes())
     data[int(offset + nbytes // 2)] ^= 0x10
@@ -219,7 +221,7 @@ def _flip(store):
 
 def _delete(store):
     """The shard file of samples 4-7 of teacher_logprobs deleted."""
-    (store / fmt.LOGPROBS / "c" / "1" / "0" / "0").unlink()
+    (store / fmt.LOGPROBS / "c.1.0.0").unlink()
 
 
 @pytest.mark.parametrize("damage,sample,array,message", [
@@ -300,7 +302,7 @@ def test_version_1_stores_are_refused_with_a_rewrite_hint(tmp_path):
     with pytest.raises(ValueError, match="version 1 .*no chunk checksums.*--overwrite"):
         TopKCacheReader(tmp_path / "c")
     write(tmp_path / "c", overwrite=True)                         # rewritten in the current version
-    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == 3      # a top-K store's (top-p: 4)
+    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
 
 
 def test_a_second_writer_is_refused_while_a_process_of_the_first_holds_the_lock(tmp_path):
@@ -308,7 +310,7 @@ def test_a_second_writer_is_refused_while_a_process_of_the_first_holds_the_lock(
     import sys
 
     write(tmp_path / "c")
-    zarr.open_group(tmp_path / "c", mode="r+")[fmt.SHARD_DONE][1] = 0      # unfinished: a resume would write
+    (tmp_path / "c" / fmt.RECORDS / "c.1.0").unlink()            # unfinished: a resume would write
     lock = tmp_path / "c" / ".writer.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
                                "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
@@ -371,10 +373,10 @@ def test_resume_redoes_unmarked_shards_bit_identically(tmp_path):
     write(tmp_path / "full")
     write(tmp_path / "part")
     group = zarr.open_group(tmp_path / "part", mode="r+")
-    group[fmt.SHARD_DONE][1] = 0                                  # as if killed before marking shard 1
+    (tmp_path / "part" / fmt.RECORDS / "c.1.0").unlink()        # as if killed before the records of shard 1
     group[fmt.IDS][4:8] = 0                                       # ... with its data half written
     group.attrs.update(complete=False)
-    for partial in (f"{fmt.IDS}/c/1/0/0", "zarr", f"{fmt.SHARD_DONE}/c/1"):   # and between write and rename
+    for partial in (f"{fmt.IDS}/c.1.0", "zarr", f"{fmt.RECORDS}/c.1"):   # and between write and rename
         (tmp_path / "part" / f"{partial}.{'0123456789abcdef' * 2}.partial").write_bytes(b"half a chunk")
     with pytest.raises(ValueError, match=r"samples \[4, 8\) of 11 are not written"):
         TopKCacheReader(tmp_path / "part")
@@ -473,9 +475,8 @@ def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
     mass, entropy = topk_statistics(np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.25, 0.125]])))
     np.testing.assert_allclose(mass, [1.0, 0.875])
     np.testing.assert_allclose(entropy, [1.5 * np.log(2), 1.375 * np.log(2) - 0.125 * np.log(0.125)])
-    group = zarr.open_group(tmp_path / "c", mode="r+")
-    group[fmt.SHARD_DONE][2] = 0
-    group.attrs.update(complete=False)
+    (tmp_path / "c" / fmt.RECORDS / "c.2.0").unlink()
+    zarr.open_group(tmp_path / "c", mode="r+").attrs.update(complete=False)
     assert main([str(tmp_path / "c")]) == 0
     assert "complete: NO — samples [8, 11) not written" in capsys.readouterr().out
 
@@ -558,7 +559,7 @@ def test_sampled_store_resumes_bit_identically_whatever_the_micro_batch_and_dp_s
     write(tmp_path / "dp2", **options, dp_rank=1, dp_size=2)               # ... DP rank 1 the rest, then finishes
     write(tmp_path / "part", **options)
     group = zarr.open_group(tmp_path / "part", mode="r+")
-    group[fmt.SHARD_DONE][1] = 0
+    (tmp_path / "part" / fmt.RECORDS / "c.1.0").unlink()
     group[fmt.IDS][4:8] = 0
     group.attrs.update(complete=False)
     stats = write(tmp_path / "part", **options)
@@ -592,12 +593,11 @@ def test_swapped_shard_files_raise_and_verify_names_both(tmp_path, capsys, array
     from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     write(tmp_path / "c")
-    suffix = ("0",) * (1 if array == fmt.TOKENS else 2)
-    _swap(tmp_path / "c" / array / "c" / "0" / pathlib.Path(*suffix), tmp_path / "c" / array / "c" / "1" /
-          pathlib.Path(*suffix))
+    suffix = ".0" * (1 if array == fmt.TOKENS else 2)
+    _swap(tmp_path / "c" / array / f"c.0{suffix}", tmp_path / "c" / array / f"c.1{suffix}")
     reader = TopKCacheReader(tmp_path / "c")
     for sample in (0, 5):
-        with pytest.raises(ValueError, match=f"{array}/c/{sample // 4}/.*samples \\[{sample // 4 * 4}, "
+        with pytest.raises(ValueError, match=f"{array}/c.{sample // 4}\\..*samples \\[{sample // 4 * 4}, "
                                              f"{sample // 4 * 4 + 4}\\)\\): the chunk of sample {sample} was not "
                                              "written there.*--repair"):
             reader[sample]
@@ -614,7 +614,7 @@ def test_a_chunk_moved_inside_its_shard_with_the_index_checksum_recomputed_raise
     import google_crc32c
 
     write(tmp_path / "c")
-    shard = tmp_path / "c" / fmt.IDS / "c" / "0" / "0" / "0"
+    shard = tmp_path / "c" / fmt.IDS / "c.0.0.0"
     index, start = _shard_index(shard)
     index[1] = index[2]
     data = bytearray(shard.read_bytes())
@@ -628,9 +628,9 @@ def test_a_chunk_moved_inside_its_shard_with_the_index_checksum_recomputed_raise
 def test_a_shard_copied_from_a_store_of_another_teacher_raises(tmp_path):
     write(tmp_path / "c")
     write(tmp_path / "other", logits_fn=table_teacher(seed=5)[1], teacher="another teacher")   # same shapes
-    file = pathlib.Path(fmt.LOGPROBS, "c", "1", "0", "0")
+    file = pathlib.Path(fmt.LOGPROBS, "c.1.0.0")
     (tmp_path / "c" / file).write_bytes((tmp_path / "other" / file).read_bytes())
-    with pytest.raises(ValueError, match="teacher_logprobs/c/1/0/0 .*sample 4 was not written there"):
+    with pytest.raises(ValueError, match="teacher_logprobs/c.1.0.0 .*sample 4 was not written there"):
         TopKCacheReader(tmp_path / "c")[4]
 
 
@@ -728,7 +728,7 @@ def test_overwrite_never_deletes_a_folder_that_merely_looks_like_a_store(tmp_pat
 def _damage_three_shards(store):
     _flip(store)                                                  # tokens, shard 0
     _delete(store)                                                # teacher_logprobs, shard 1
-    records = store / fmt.RECORDS / "c" / "2" / "0"
+    records = store / fmt.RECORDS / "c.2.0"
     records.write_bytes(records.read_bytes()[:-1])                # chunk_records, shard 2: truncated
 
 
@@ -741,7 +741,7 @@ def test_repair_rewrites_only_the_damaged_shards_byte_identical_to_a_clean_run(t
     _damage_three_shards(tmp_path / "c")
     assert inspect_main([str(tmp_path / "c")]) == 2               # no --verify: the missing file is found
     out = capsys.readouterr().out
-    assert "teacher_logprobs/c/1/0/0 (samples [4, 8))" in out and "--repair" in out
+    assert "teacher_logprobs/c.1.0.0 (samples [4, 8))" in out and "--repair" in out
     with pytest.raises(ValueError, match="files of written shards are missing.*--repair"):
         write(tmp_path / "c")                                     # the plain resume does not say "nothing to do"
     assert inspect_main([str(tmp_path / "c"), "--verify"]) == 2
@@ -757,20 +757,44 @@ def test_repair_rewrites_only_the_damaged_shards_byte_identical_to_a_clean_run(t
         write(tmp_path / "c", k=5, repair=True)
 
 
-def test_version_2_stores_read_with_a_warning_and_are_rewritten_only_with_overwrite(tmp_path):
+def rewrite_in_version(store, version: int) -> None:
+    """The store at ``store`` rewritten as the writers of format ``version`` (2 to 4) wrote it: "/" chunk keys,
+    every shard marked in ``shard_done``, and (3, 4) the records binding each chunk."""
+    group, spec = fmt.open_store(store)
+    data = {name: group[name][:] for name in fmt.sample_arrays(spec) if name != fmt.RECORDS}
+    shutil.rmtree(store)
+    old = zarr.open_group(store, mode="w", zarr_format=3)
+    fmt._create_arrays(old, spec, version)
+    for name, values in data.items():
+        old[name][:] = values
+    if version >= 3:
+        for shard in range(spec.num_shards):
+            begin, end = spec.shard_range(shard)
+            old[fmt.RECORDS][begin:end] = shard_records(store, old, spec, shard)
+    old[fmt.SHARD_DONE][:] = 1
+    old.attrs.update(complete=True)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_older_versions_read_and_are_rewritten_only_with_overwrite(tmp_path, version):
+    """Issue 37: stores of the layouts before version 5 ("/" keys, a shard_done array) keep reading, row for row."""
     write(tmp_path / "c", logprob_codec="fp16-bitround7")         # version 2 stores predate the grid codec
-    expected = TopKCacheReader(tmp_path / "c")[3]
-    shutil.rmtree(tmp_path / "c" / fmt.RECORDS)                   # exactly the version 2 layout
-    attrs = dict(zarr.open_group(tmp_path / "c", mode="r").attrs)
-    del attrs["identity"]
-    zarr.open_group(tmp_path / "c", mode="r+").attrs.put(attrs | dict(version=2))
-    with pytest.warns(UserWarning, match="format version 2: its chunks are not bound .* plus --overwrite"):
+    expected = [TopKCacheReader(tmp_path / "c")[i] for i in range(N)]
+    rewrite_in_version(tmp_path / "c", version)
+    assert (tmp_path / "c" / fmt.IDS / "c" / "1" / "0" / "0").is_file() and (tmp_path / "c" / fmt.SHARD_DONE).is_dir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         reader = TopKCacheReader(tmp_path / "c")
-    assert all(torch.equal(value, expected[key]) for key, value in reader[3].items())
-    with pytest.raises(ValueError, match="version: requested 3, on disk 2"):
+    assert [str(w.message) for w in caught if "format version 2: its chunks are not bound" in str(w.message)
+            and "plus --overwrite" in str(w.message)] != [] if version == 2 else caught == []
+    assert all(torch.equal(value, expected[i][key]) for i in range(N) for key, value in reader[i].items())
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
+
+    assert inspect_main([str(tmp_path / "c"), "--verify", "--workers", "1"]) == 0
+    with pytest.raises(ValueError, match=f"version: requested {fmt.FORMAT_VERSION}, on disk {version}"):
         write(tmp_path / "c", logprob_codec="fp16-bitround7")
     write(tmp_path / "c", overwrite=True)
-    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == 3
+    assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
 
 
 def test_an_existing_empty_folder_is_written_into_not_replaced(tmp_path, monkeypatch):

@@ -131,17 +131,10 @@ def test_torchrun_tp2_cross_tokenizer_store_holds_realised_logprobs_and_the_byte
 
 
 def _done(output) -> int:
-    """Shards marked done, read straight from the marker files (fast enough to poll); -1 before creation."""
-    markers = pathlib.Path(output) / fmt.SHARD_DONE / "c"
+    """Shards written: their records files (written last, each by an atomic rename); -1 before creation."""
     if not (pathlib.Path(output) / "zarr.json").exists():
         return -1
-    done = 0
-    for marker in markers.iterdir() if markers.is_dir() else ():
-        try:                                # a marker chunk: the byte 1, then its CRC32C
-            done += marker.suffix != ".partial" and marker.read_bytes()[:1] == b"\x01"
-        except FileNotFoundError:           # a temporary file renamed away meanwhile
-            pass
-    return done
+    return sum(not fmt.is_partial(file) for file in (pathlib.Path(output) / fmt.RECORDS).glob("c.*"))
 
 
 def _kill_paused(command, output, pause_after, *, orphan_workers=False, timeout=scaled(600)):
@@ -228,11 +221,12 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
     assert not list(killed.rglob("*.partial"))
-    shard = killed / fmt.IDS / "c" / "3" / "0" / "0"                  # damage, then the command's --repair
+    shard = killed / fmt.IDS / "c.3.0.0"                              # damage, then the command's --repair
     shard.write_bytes(shard.read_bytes()[:-3])
     repaired = subprocess.run(plain + ["--repair"], env=_env(1), capture_output=True, text=True,
                               timeout=scaled(600))
-    assert repaired.returncode == 0 and "1 of 16 written shards damaged, rewriting them" in repaired.stdout, \
+    assert repaired.returncode == 0 and "1 of 16 written shards of samples [0, 32) damaged, rewriting them" in \
+        repaired.stdout, \
         repaired.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
 

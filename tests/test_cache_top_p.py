@@ -74,7 +74,7 @@ def test_top_p_stores_resume_split_and_repair_byte_identically(tmp_path):
     write(tmp_path / "dp2", **options, dp_rank=1, dp_size=2)
     write(tmp_path / "part", **options)
     group = zarr.open_group(tmp_path / "part", mode="r+")
-    group[fmt.SHARD_DONE][1] = 0                                  # as if killed before marking shard 1
+    (tmp_path / "part" / fmt.RECORDS / "c.1.0").unlink()        # as if killed before the records of shard 1
     group[fmt.IDS][4:8] = 0
     group.attrs.update(complete=False)
     assert write(tmp_path / "part", **options).shards_written == 1
@@ -97,17 +97,17 @@ def _old_identity(attrs: dict) -> str:
 def test_top_p_attributes_version_and_identity(tmp_path, monkeypatch):
     write(tmp_path / "topk")
     attrs = dict(zarr.open_group(tmp_path / "topk").attrs)
-    assert attrs["version"] == 3 and "top_p" not in attrs and "min_k" not in attrs
-    assert attrs["identity"] == _old_identity(attrs)              # top-K stores: what version 3 readers check
+    assert attrs["version"] == fmt.FORMAT_VERSION and "top_p" not in attrs and "min_k" not in attrs
+    assert attrs["identity"] == _old_identity(attrs)              # top-K stores: the top-p fields not hashed
     write(tmp_path / "c", top_p=P, min_k=MIN_K)
     group = zarr.open_group(tmp_path / "c", mode="r+")
     attrs = dict(group.attrs)
-    assert (attrs["version"], attrs["top_p"], attrs["min_k"], attrs["k"]) == (4, P, MIN_K, K)
+    assert (attrs["version"], attrs["top_p"], attrs["min_k"], attrs["k"]) == (fmt.FORMAT_VERSION, P, MIN_K, K)
     assert attrs["identity"] == fmt.store_identity(CacheSpec.from_attrs(attrs)) != _old_identity(attrs)
-    with monkeypatch.context() as patch:                          # a version 3 reader: refused by the version
-        patch.setattr(fmt, "READ_VERSIONS", (2, 3))
-        with pytest.raises(ValueError, match=r"cache format version 4 is not supported \(this reader reads "
-                                             r"versions \(2, 3\)\)"):
+    with monkeypatch.context() as patch:                          # an older reader: refused by the version
+        patch.setattr(fmt, "READ_VERSIONS", (2, 3, 4))
+        with pytest.raises(ValueError, match=rf"cache format version {fmt.FORMAT_VERSION} is not supported \(this "
+                                             r"reader reads versions \(2, 3, 4\)\)"):
             TopKCacheReader(tmp_path / "c")
     with pytest.raises(ValueError, match="top_p: requested 0.8, on disk 0.9"):
         write(tmp_path / "c", top_p=0.8, min_k=MIN_K)
@@ -118,7 +118,7 @@ def test_top_p_attributes_version_and_identity(tmp_path, monkeypatch):
     group.attrs["top_p"] = 0.95                                   # an edit the identity catches
     with pytest.raises(ValueError, match="do not match their checksum"):
         TopKCacheReader(tmp_path / "c")
-    edited = {key: value for key, value in attrs.items() if key not in ("top_p", "min_k")} | dict(version=3)
+    edited = {key: value for key, value in attrs.items() if key not in ("top_p", "min_k")}
     group.attrs.put(edited | dict(identity=_old_identity(edited)))
     with pytest.raises(ValueError, match="was not written there for this store"):
         TopKCacheReader(tmp_path / "c")[0]                        # relabelled as top-K: its records refuse it

@@ -20,6 +20,7 @@ returns the chunk's CRC32C, which the store's records bind to the chunk's place 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import pathlib
@@ -32,6 +33,42 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 _EMPTY = 2**64 - 1
+CACHE_BYTES = 1 << 24
+"""What a reader keeps of one array's shard indexes (and of the records of its shards, ``records.py``) at most, in
+bytes: its memory does not grow with the store it reads (a shard index is 16 B per chunk)."""
+
+
+class BoundedCache:
+    """{key: numpy array} holding at most ``max_bytes`` of values, the least recently used dropped first."""
+
+    def __init__(self, max_bytes: int = CACHE_BYTES):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._values: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)
+        return value
+
+    def put(self, key, value: np.ndarray) -> None:
+        self.pop(key)
+        self._values[key] = value
+        self.nbytes += value.nbytes
+        while self.nbytes > self.max_bytes and len(self._values) > 1:
+            self.nbytes -= self._values.popitem(last=False)[1].nbytes
+
+    def pop(self, key) -> None:
+        value = self._values.pop(key, None)
+        if value is not None:
+            self.nbytes -= value.nbytes
+
+    def clear(self) -> None:
+        self._values.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class DamagedStoreError(ValueError):
@@ -85,7 +122,7 @@ class ShardedChunkReader:
                 self.serializer = _numcodec(codec)
             else:
                 self.filters.append(_numcodec(codec))
-        self._index_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self._index_cache = BoundedCache()
 
     def _index(self, shard: tuple[int, ...], fd: int, path: pathlib.Path) -> np.ndarray:
         """The shard's checked index ``[*per_shard, 2]`` (offset, nbytes) of the open shard file ``fd``."""
@@ -97,14 +134,12 @@ class ShardedChunkReader:
                                         f"{self.index_bytes}-byte shard index (the file is truncated; {REPAIR})")
             raw = _checked(os.pread(fd, self.index_bytes, size - self.index_bytes),
                            f"{self.where(path, shard)} (shard index)")[0]
-            index = raw.view("<u8").reshape(*self.per_shard, 2)
+            index = raw.view("<u8").reshape(*self.per_shard, 2).copy()   # not a view of the read buffer
             stored = index[..., 0] != _EMPTY
             if np.any(index[..., 0][stored] + index[..., 1][stored] > size - self.index_bytes):
                 raise DamagedStoreError(f"{self.where(path, shard)}: its shard index points past the chunk data "
                                         f"(the file is truncated or damaged; {REPAIR})")
-            if len(self._index_cache) > 4096:
-                self._index_cache.clear()
-            self._index_cache[shard] = index
+            self._index_cache.put(shard, index)
         return index
 
     def where(self, path: pathlib.Path, shard: tuple[int, ...]) -> str:
@@ -125,7 +160,7 @@ class ShardedChunkReader:
         chunk is not stored), read fresh from the file (its index checked); what a writer binds to their places."""
         shard = tuple(c // p for c, p in zip(coords, self.per_shard))
         path = self.root / self.metadata.encode_chunk_key(shard)
-        self._index_cache.pop(shard, None)
+        self._index_cache.pop(shard)
         fd = os.open(path, os.O_RDONLY)
         try:
             index = self._index(shard, fd, path)

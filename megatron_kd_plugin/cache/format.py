@@ -1,6 +1,7 @@
 """The teacher top-K cache: one Zarr v3 group, plain zarr (``zarr.open_group(path)`` shows it).
 
-Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``)::
+Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shard``, default
+:func:`default_samples_per_shard`: 2^20 tokens a shard)::
 
     tokens             int32   [N, S+1]  chunks [1, S+1]  shards [P, S+1]  blosc-zstd, byte shuffle      fill -1
     teacher_ids        int32   [N, S, K] chunks [1, S, K] shards [P, S, K] delta filter, blosc-zstd, byte shuffle -1
@@ -12,11 +13,20 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_realised_logprob  (cross-tokenizer stores only, see below) log-prob codec [N, S] chunks [1, S] shards [P, S]  NaN
     teacher_vocab_offsets     (cross-tokenizer stores only) int64 [V+1] one chunk                                        -1
     teacher_vocab_bytes       (cross-tokenizer stores only) uint8 [vocab_bytes] one chunk                                 0
-    chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below)         0
-    shard_done         uint8   [N/P]     chunks [1] — 1 once shard j is fully written (the write progress)   0
+    chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below);
+                                         written last: a shard is written when its chunk_records file exists   0
     .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
 
-Integrity (format version 3): every chunk, inner chunks of shards and ``shard_done`` included, ends with its
+Files (format version 5, issue #37): chunk keys use the separator ``.`` (``teacher_ids/c.12.0.0``), so every array
+is one folder of one file per shard and nothing else: a store holds A + 2 files per shard (the per-sample arrays and
+their records; 4 for a top-K store, ~3.8 per 10^6 tokens at the default shard size) plus its metadata, and its
+largest folder has N/P entries (95,367 at 10^11 tokens). Which shards are written is read from the ``chunk_records``
+files themselves (:func:`written_shards`: a shard's records are written after its data, by an atomic rename), so
+the writer keeps no progress array and rewrites no metadata while it writes: its bookkeeping per shard does not
+grow with the store. Versions 2 to 4 (``/`` chunk keys, a ``shard_done`` array of one chunk per shard marking the
+written shards) are still read.
+
+Integrity (format versions 3 to 5): every chunk, inner chunks of shards included, ends with its
 CRC32C (zarr's ``crc32c`` codec, the last codec of each chain), and the shard index carries its own CRC32C
 (the sharding codec's index codecs). The fill values are values no written chunk can hold (ids and tokens
 are >= 0, log-probs and logsumexps are finite), so zarr stores every inner chunk of a written shard, and in a
@@ -57,9 +67,9 @@ the smallest prefix of the teacher's ranked top-K whose mass reaches P, at least
 its other K − kept slots are padding: id 0 with log-prob −inf, FIRST in the row, the kept ids ascending after them
 (so a row stays sorted, 0 ≤ every id, and the id range check still reads its ends; a padding run delta-codes to
 zeros and −inf repeats, ~nothing after blosc). A kept id 0 follows the padding. Consumers treat a −inf slot as no
-support (``loss/teacher.py``); ``inspect`` counts the finite slots. Version 4 is written only for top-p stores, so a
-version-3 reader refuses them by their version instead of serving padding it does not know; every other store is
-written (and hashed into its identity) exactly as before, version 3, without the top-p attributes.
+support (``loss/teacher.py``); ``inspect`` counts the finite slots. Version 4 was written only for top-p stores, so
+a version-3 reader refuses them by their version instead of serving padding it does not know; the top-p attributes
+are in the attributes (and the identity) of top-p stores only.
 
 Cross-tokenizer stores (``vocab_bytes`` > 0, ``cache --cross-tokenizer``, issue #18) also hold what a student
 with another tokenizer needs (``megatron_kd_plugin.cache.align``): ``teacher_realised_logprob[i, t]`` = the
@@ -73,16 +83,16 @@ codec is a grid, which needs rows of several slots; docs/cache.md).
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
 temperature, teacher and tokenizer identity, source-data fingerprint, log-prob codec, shard size, proposal
-temperature, sample seed; top_p and min_k in top-p stores only), ``identity`` (versions 3 and 4), ``complete`` and
-``progress``.
+temperature, sample seed; top_p and min_k in top-p stores only), ``identity`` (versions 3 to 5) and ``complete``
+(versions 2 to 4 also ``progress``).
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
-arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), its
-``shard_done`` element last (each chunk file is replaced atomically by zarr's
-LocalStore). A killed run restarted with the same settings redoes only the shards not marked done, and because
-the data of a shard depend only on that shard's samples, the result is byte-identical to an uninterrupted run.
-``complete`` turns true (one atomic rewrite of the group's ``zarr.json``) only after every shard is marked done;
-a reader refuses an incomplete store and names the missing samples.
+arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), each file replaced
+atomically by zarr's LocalStore. A killed run restarted with the same settings redoes only the shards whose records
+are missing, each rank checking its own, and because the data of a shard depend only on that shard's samples, the
+result is byte-identical to an uninterrupted run. ``complete`` turns true (one atomic rewrite of the group's
+``zarr.json``) only after every shard is written; a reader refuses an incomplete store and names the missing
+samples.
 """
 
 from __future__ import annotations
@@ -115,13 +125,14 @@ FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
 """The ``format`` attribute of each ``mode``."""
-FORMAT_VERSION = 4
-"""The newest version. 4: version 3 plus top-p truncation (``top_p``, ``min_k``: rows with padding slots), written
-only for top-p stores (:attr:`CacheSpec.format_version`), so a version-3 reader refuses them by their version and
-keeps reading every other store; 3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to
+FORMAT_VERSION = 5
+"""The version every new store is written in. 5: ``.`` chunk keys (one folder per array, one file per shard) and no
+``shard_done`` array (a shard is written when its ``chunk_records`` file exists), issue #37; 4: version 3 plus
+top-p truncation (``top_p``, ``min_k``: rows with padding slots), written only for top-p stores, so a version-3
+reader refused them by their version; 3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to
 its place (2: without them; read with a warning); 2 to 4: CRC32C on every chunk and fill values no written chunk
 holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
-READ_VERSIONS = (2, 3, 4)
+READ_VERSIONS = (2, 3, 4, 5)
 TOP_P_FIELDS = ("top_p", "min_k")
 """The :class:`CacheSpec` fields of a top-p store; absent from the attributes and the identity of other stores."""
 
@@ -185,6 +196,17 @@ def check_logprob_codec(mode: str, codec: str) -> None:
                          "'fp32'")
 
 
+SHARD_TOKENS = 1 << 20
+"""Tokens a shard holds by default (:func:`default_samples_per_shard`), chosen by ``tools/bench_store_scale.py``
+(docs/cache.md "At scale"): ~3.8 files per 10^6 tokens, at most 95,367 shard files in a folder at 10^11 tokens, a
+writer's shard buffers ~0.8 GB at K = 100, at most one shard of work per writer lost to a kill."""
+
+
+def default_samples_per_shard(seq_length: int) -> int:
+    """Samples per shard by default: :data:`SHARD_TOKENS` tokens (at least one sample)."""
+    return max(1, SHARD_TOKENS // seq_length)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """What a store holds; written as the group attributes and compared on resume and by readers."""
@@ -207,8 +229,9 @@ class CacheSpec:
     """Content hash of the source token data and the windowing (seq_length, sample count)."""
     logprob_codec: str = DEFAULT_LOGPROB_CODEC
     """A key of :data:`LOGPROB_CODECS`."""
-    samples_per_shard: int = 16
-    """Samples per shard file, the unit one writer rank owns and the resume granularity."""
+    samples_per_shard: int | None = None
+    """Samples per shard file, the unit one writer rank owns and the resume granularity (None:
+    :func:`default_samples_per_shard` of ``seq_length``)."""
     store_logsumexp: bool = False
     """Also store the teacher's full-vocab logsumexp per token."""
     mode: str = "topk"
@@ -228,6 +251,8 @@ class CacheSpec:
     """The least number of ids a top-p store keeps per token (``--min-k``, 1 <= min_k <= k); None without top_p."""
 
     def __post_init__(self):
+        if self.samples_per_shard is None and isinstance(self.seq_length, int) and self.seq_length >= 1:
+            object.__setattr__(self, "samples_per_shard", default_samples_per_shard(self.seq_length))
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -278,8 +303,8 @@ class CacheSpec:
 
     @property
     def format_version(self) -> int:
-        """The version a store of this spec is written in: 4 for top-p stores, else 3 (see :data:`FORMAT_VERSION`)."""
-        return 4 if self.top_p is not None else 3
+        """The version a store of this spec is written in (:data:`FORMAT_VERSION`)."""
+        return FORMAT_VERSION
 
     def described(self) -> dict[str, Any]:
         """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store."""
@@ -331,7 +356,7 @@ class CacheSpec:
             spec = cls(**{key: value for key, value in attrs.items() if key in names})
         except TypeError as exc:                          # a missing field, or a value of the wrong type
             raise ValueError(f"the store's attributes do not describe a cache ({exc})") from exc
-        if (attrs["version"] >= 4) != (spec.top_p is not None):
+        if attrs["version"] < 5 and (attrs["version"] == 4) != (spec.top_p is not None):
             raise ValueError(f"format version {attrs['version']} with top_p={spec.top_p}: version 4 is the top-p "
                              "stores' (and only theirs); the attributes were edited or the file is damaged")
         return spec
@@ -357,6 +382,9 @@ def store_identity(spec: CacheSpec, version: int | None = None) -> str:
 def _blosc(typesize: int, shuffle: str = "shuffle") -> BloscCodec:
     return BloscCodec(cname="zstd", clevel=5, shuffle=shuffle, typesize=typesize)
 
+
+CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}
+"""The chunk key encoding of version 5: ``c.SHARD.0.0``, one file per shard directly in the array's folder."""
 
 CREATING = ".creating"
 """The staging folder of a store created inside an existing empty folder (see :func:`create_store`)."""
@@ -441,38 +469,41 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = Non
     slot = "rank" if spec.mode == "topk" else "draw"
     codec = LOGPROB_CODECS[spec.logprob_codec]
     nan = float("nan")
-    group.create_array(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
-                       compressors=[_blosc(4), Crc32cCodec()], fill_value=-1, dimension_names=("sample", "position"))
-    group.create_array(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
-                       filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, codec.ids_shuffle),
-                                                                                  Crc32cCodec()],
-                       fill_value=-1, dimension_names=("sample", "position", slot))
-    group.create_array(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
-                       **_logprob_codecs(codec, k), fill_value=nan, dimension_names=("sample", "position", slot))
+    create = functools.partial(group.create_array, **(dict(chunk_key_encoding=CHUNK_KEYS) if version >= 5 else {}))
+    create(TOKENS, shape=(n, s + 1), chunks=(1, s + 1), shards=(p, s + 1), dtype="int32",
+           compressors=[_blosc(4), Crc32cCodec()], fill_value=-1, dimension_names=("sample", "position"))
+    create(IDS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype="int32",
+           filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4, codec.ids_shuffle), Crc32cCodec()],
+           fill_value=-1, dimension_names=("sample", "position", slot))
+    create(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
+           **_logprob_codecs(codec, k), fill_value=nan, dimension_names=("sample", "position", slot))
     for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
-        group.create_array(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
-                           compressors=[_blosc(4), Crc32cCodec()], fill_value=nan,
-                           dimension_names=("sample", "position"))
+        create(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
+               compressors=[_blosc(4), Crc32cCodec()], fill_value=nan, dimension_names=("sample", "position"))
     if spec.cross_tokenizer:
         realised = spec.realised_codec
-        group.create_array(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=realised.dtype,
-                           **_logprob_codecs(realised, 1), fill_value=nan, dimension_names=("sample", "position"))
+        create(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=realised.dtype,
+               **_logprob_codecs(realised, 1), fill_value=nan, dimension_names=("sample", "position"))
         v = spec.vocab_size + 1
-        group.create_array(VOCAB_OFFSETS, shape=(v,), chunks=(v,), dtype="int64", fill_value=-1,
-                           compressors=[_blosc(8), Crc32cCodec()], dimension_names=("token_id",))
-        group.create_array(VOCAB_BYTES, shape=(spec.vocab_bytes,), chunks=(spec.vocab_bytes,), dtype="uint8",
-                           fill_value=0, compressors=[_blosc(1), Crc32cCodec()], dimension_names=("byte",))
+        create(VOCAB_OFFSETS, shape=(v,), chunks=(v,), dtype="int64", fill_value=-1,
+               compressors=[_blosc(8), Crc32cCodec()], dimension_names=("token_id",))
+        create(VOCAB_BYTES, shape=(spec.vocab_bytes,), chunks=(spec.vocab_bytes,), dtype="uint8",
+               fill_value=0, compressors=[_blosc(1), Crc32cCodec()], dimension_names=("byte",))
     if version >= 3:                                     # every per-sample array above, whatever the spec adds
         with warnings.catch_warnings():                  # zarr names the lock file of a staging folder
             warnings.simplefilter("ignore", ZarrUserWarning)
             arrays = dict(group.arrays())
         bound = sorted(name for name, array in arrays.items() if array.metadata.dimension_names[:1] == ("sample",))
-        group.create_array(RECORDS, shape=(n, len(bound)), chunks=(p, len(bound)), shards=(p, len(bound)),
-                           dtype="uint32", compressors=[Crc32cCodec()], fill_value=0,
-                           dimension_names=("sample", "array"), attributes=dict(arrays=bound))
-    group.create_array(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=[Crc32cCodec()],
-                       fill_value=0, dimension_names=("shard",))
-    group.attrs.update(spec.to_attrs(version) | dict(complete=False, progress=progress_attrs(0, spec)))
+        create(RECORDS, shape=(n, len(bound)), chunks=(p, len(bound)), shards=(p, len(bound)), dtype="uint32",
+               compressors=[Crc32cCodec()], fill_value=0, dimension_names=("sample", "array"),
+               attributes=dict(arrays=bound))
+    attrs = spec.to_attrs(version) | dict(complete=False)
+    if version < 5:                                      # the progress marker array of the older layouts
+        create(SHARD_DONE, shape=(spec.num_shards,), chunks=(1,), dtype="uint8", compressors=[Crc32cCodec()],
+               fill_value=0, dimension_names=("shard",))
+        attrs["progress"] = dict(shards_done=0, num_shards=spec.num_shards, samples_done=0,
+                                 num_samples=spec.num_samples)
+    group.attrs.update(attrs)
 
 
 def _normalised(document: dict) -> dict:
@@ -571,24 +602,75 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     return zarr.open_group(path, mode=mode), spec
 
 
-def missing_shard_files(path, group: zarr.Group, spec: CacheSpec) -> list[str]:
-    """The shard files of the shards marked done that do not exist (every array with one chunk per sample)."""
-    done = np.flatnonzero(group[SHARD_DONE][:])
-    missing = []
-    for name in sample_arrays(spec, group.attrs["version"]):
-        array = group[name]
-        for shard in done:
-            file = pathlib.Path(path, name, array.metadata.encode_chunk_key((int(shard),) + (0,) * (array.ndim - 1)))
-            if not file.is_file():
-                begin, end = spec.shard_range(int(shard))
-                missing.append(f"{file} (samples [{begin}, {end}))")
-    return missing
+class ShardFiles:
+    """The files of the shards of the store at ``path`` (opened as ``group``, ``spec``): which shards are written,
+    which of their files are missing, and deleting one so that a writer redoes it.
 
+    Version 5: a shard is written when its ``chunk_records`` file exists (written after the shard's data, by an
+    atomic rename); versions 2 to 4: when its ``shard_done`` element is 1. Every check stats only the files of the
+    shards asked about, so each writer rank checks its own shards in time proportional to their number, whatever
+    the size of the store.
+    """
+
+    def __init__(self, path, group: zarr.Group, spec: CacheSpec):
+        self.path, self.spec, self.version = pathlib.Path(path), spec, group.attrs["version"]
+        self.arrays = {name: group[name].metadata for name in sample_arrays(spec, self.version)}
+        self._markers = group[SHARD_DONE] if self.version < 5 else None
+
+    def file(self, name: str, shard: int) -> pathlib.Path:
+        """The file of array ``name`` that holds shard ``shard``."""
+        metadata = self.arrays[name]
+        return self.path / name / metadata.encode_chunk_key((int(shard),) + (0,) * (len(metadata.shape) - 1))
+
+    def written(self, shards=None) -> list[int]:
+        """The shards of ``shards`` (default: all) that are completely written, ascending."""
+        shards = range(self.spec.num_shards) if shards is None else shards
+        if self._markers is not None:
+            done = self._markers[:]
+            return [int(shard) for shard in shards if done[shard]]
+        return [int(shard) for shard in shards if self.file(RECORDS, shard).is_file()]
+
+    def missing_files(self, shards=None) -> list[str]:
+        """The files of the written shards among ``shards`` (default: all) that do not exist, as texts naming each
+        with its samples."""
+        missing = []
+        for shard in self.written(shards):
+            for name in self.arrays:
+                file = self.file(name, shard)
+                if not file.is_file():
+                    begin, end = self.spec.shard_range(shard)
+                    missing.append(f"{file} (samples [{begin}, {end}))")
+        return missing
+
+    def missing_samples(self) -> list[tuple[int, int]]:
+        """Sample ranges [begin, end) whose shard is not written, merged."""
+        written = set(self.written())
+        ranges: list[tuple[int, int]] = []
+        for shard in range(self.spec.num_shards):
+            if shard in written:
+                continue
+            begin, end = self.spec.shard_range(shard)
+            if ranges and ranges[-1][1] == begin:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((begin, end))
+        return ranges
+
+    def unwrite(self, shard: int) -> None:
+        """Deletes shard ``shard``'s files, its records first, so that it reads as not written at every moment and a
+        writer redoes it (version 5 stores; older ones are rewritten whole)."""
+        if self._markers is not None:
+            raise ValueError(f"{self.path} is a store of format version {self.version}; only version {FORMAT_VERSION} "
+                             "stores are rewritten shard by shard")
+        for name in [RECORDS] + [name for name in self.arrays if name != RECORDS]:
+            self.file(name, shard).unlink(missing_ok=True)
 
 
 _PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")
 """The suffix of zarr LocalStore's temporary files (``NAME.<uuid>.partial``, renamed to NAME once written)."""
 _CHUNK = re.compile(r"[0-9]+$")
+_DOT_CHUNK = re.compile(r"c(\.[0-9]+)*$")
+"""A chunk file of version 5 (``c.12.0.0``), or what zarr's temporary of one is named after (``c.12.0``)."""
 
 
 def _store_file(parts: tuple[str, ...]) -> bool:
@@ -601,17 +683,19 @@ def _store_file(parts: tuple[str, ...]) -> bool:
     if parts[0] not in ARRAYS:
         return False
     if len(parts) == 2:
-        return metadata
+        return metadata or _DOT_CHUNK.match(name) is not None
     return parts[1] == "c" and all(_CHUNK.match(part) for part in parts[2:-1] + (name,))
 
 
-def foreign_entries(path) -> list[str]:
+def foreign_entries(path, deep: bool = True) -> list[str]:
     """What in the folder ``path`` is not part of a store of this project (empty: all of it is), as short texts.
 
     A store of this project is known by its own root zarr.json naming one of :data:`FORMAT_NAMES` (a folder that
     merely looks like a store's layout is not one, nor one whose zarr.json does not parse), and holds only its
-    zarr.json files, chunk files under ``ARRAY/c/``, zarr's temporaries and its lock file. Symbolic links are
-    never part of one.
+    zarr.json files, chunk files (``ARRAY/c.N.0`` and, before version 5, under ``ARRAY/c/``), zarr's temporaries and
+    its lock file. Symbolic links are never part of one. ``deep``: every file of every array folder is checked (what
+    deleting the store needs); otherwise only the store's root and its array folders themselves (what writing its
+    own chunk files into it needs: constant time, whatever the size of the store).
     """
     path = pathlib.Path(path)
     if path.is_symlink() or not path.is_dir():
@@ -630,6 +714,8 @@ def foreign_entries(path) -> list[str]:
                     dirs.remove(name)                    # do not walk what is not ours
             elif not _store_file(parts):
                 foreign.append(f"it holds the file {entry}")
+        if not deep:
+            break
     try:
         document = json.loads((path / "zarr.json").read_bytes())
     except FileNotFoundError:
@@ -653,32 +739,14 @@ def is_partial(path: pathlib.Path) -> bool:
 def remove_partials(path) -> int:
     """Deletes the temporaries a kill left in the store at ``path`` (between zarr's write and rename); their count.
 
-    Call only while no writer is alive (the writers' lock held exclusively).
+    Call only while no process writes the store's chunks (every writer finished, or the writers' lock held
+    exclusively).
     """
     partials = [file for file in pathlib.Path(path).rglob("*.partial") if is_partial(file)
                 and _store_file(file.relative_to(path).parts)]
     for file in partials:
         file.unlink()
     return len(partials)
-
-
-def progress_attrs(shards_done: int, spec: CacheSpec) -> dict[str, int]:
-    return dict(shards_done=shards_done, num_shards=spec.num_shards,
-                samples_done=min(shards_done * spec.samples_per_shard, spec.num_samples),
-                num_samples=spec.num_samples)
-
-
-def missing_samples(group: zarr.Group, spec: CacheSpec) -> list[tuple[int, int]]:
-    """Sample ranges [begin, end) whose shard is not marked done, merged."""
-    done = group[SHARD_DONE][:]
-    ranges: list[tuple[int, int]] = []
-    for shard in np.flatnonzero(done == 0):
-        begin, end = spec.shard_range(int(shard))
-        if ranges and ranges[-1][1] == begin:
-            ranges[-1] = (ranges[-1][0], end)
-        else:
-            ranges.append((begin, end))
-    return ranges
 
 
 def describe_ranges(ranges: list[tuple[int, int]], limit: int = 5) -> str:

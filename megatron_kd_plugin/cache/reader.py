@@ -33,7 +33,7 @@ class TopKCacheReader:
         self.path = pathlib.Path(path)
         group, self.spec = fmt.open_store(self.path)
         if group.attrs.get("complete") is not True:
-            missing = fmt.missing_samples(group, self.spec)
+            missing = fmt.ShardFiles(self.path, group, self.spec).missing_samples()
             raise ValueError(f"{self.path} is unfinished: samples {fmt.describe_ranges(missing)} of "
                              f"{self.spec.num_samples} are not written; rerun the cache tool with the same command "
                              "to complete it")

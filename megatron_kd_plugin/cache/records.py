@@ -32,7 +32,7 @@ import numpy as np
 import zarr
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import REPAIR, DamagedStoreError, open_chunk_reader
+from megatron_kd_plugin.cache.chunk_reader import REPAIR, BoundedCache, DamagedStoreError, open_chunk_reader
 
 
 def chunk_record(identity: str, name: str, sample: int, checksum: int) -> int:
@@ -72,7 +72,7 @@ class SampleReader:
         self.names = list(names)
         self.readers = {name: open_chunk_reader(self.path / name, group[name])
                         for name in self.names + [fmt.RECORDS] * bool(self.bound)}
-        self._records: dict[int, np.ndarray] = {}
+        self._records = BoundedCache()
         if None in self.readers.values():              # open_store checked the layout: not a local folder
             raise ValueError(f"{self.path}: the store is not a folder on a local file system")
         if not self.bound:
@@ -120,10 +120,8 @@ class SampleReader:
         shard = sample // self.spec.samples_per_shard
         records = self._records.get(shard)
         if records is None:
-            records = self.readers[fmt.RECORDS].read((shard, 0))[0]
-            if len(self._records) > 4096:
-                self._records.clear()
-            self._records[shard] = records
+            records = self.readers[fmt.RECORDS].read((shard, 0))[0].copy()   # not a view of the read buffer
+            self._records.put(shard, records)
         return records
 
     def _where(self, name: str, sample: int) -> str:
@@ -162,7 +160,8 @@ class SampleReader:
                 f"then, {later!r:.20} now): open a new reader on it ({exc})") from exc
 
     def verify(self, shards) -> dict[int, str]:
-        """{shard: the first damage found in it} over ``shards``, every sample of each read and checked."""
+        """{shard: the first damage found in it} over ``shards``, every sample of each read and checked (one process;
+        :func:`verify_shards` spreads a store over several)."""
         damaged = {}
         for shard in shards:
             for sample in range(*self.spec.shard_range(int(shard))):
@@ -172,3 +171,36 @@ class SampleReader:
                     damaged[int(shard)] = str(exc)
                     break
         return damaged
+
+
+def _verify_block(path: str, shards: list[int]) -> dict[int, str]:
+    """:meth:`SampleReader.verify` of ``shards`` of the store at ``path``, in a process of its own."""
+    group, spec = fmt.open_store(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                  # the parent has shown the format's warnings
+        return SampleReader(path, group, spec).verify(shards)
+
+
+def verify_shards(path, group: zarr.Group, spec: fmt.CacheSpec, shards, *, workers: int = 1,
+                  progress: bool = False) -> dict[int, str]:
+    """{shard: the first damage found in it} over ``shards`` of the store at ``path``, every sample read and checked
+    by ``workers`` processes at once (each a block of shards at a time); ``progress``: a bar on stderr."""
+    from tqdm import tqdm
+
+    shards = [int(shard) for shard in shards]
+    if workers <= 1 or len(shards) < 2:
+        return SampleReader(path, group, spec).verify(tqdm(shards, unit="shard", desc="verifying",
+                                                           disable=not progress))
+    import concurrent.futures
+    import multiprocessing
+
+    size = max(1, len(shards) // (workers * 8))          # blocks small enough to balance the processes
+    blocks = [shards[i:i + size] for i in range(0, len(shards), size)]
+    damaged: dict[int, str] = {}
+    # spawn: zarr's event-loop thread does not survive a fork
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool, \
+            tqdm(total=len(shards), unit="shard", desc=f"verifying ({workers} processes)", disable=not progress) as bar:
+        for block, found in zip(blocks, pool.map(_verify_block, [str(path)] * len(blocks), blocks)):
+            damaged |= found
+            bar.update(len(block))
+    return dict(sorted(damaged.items()))

@@ -12,9 +12,12 @@ Two sources: a Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``, read thr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pathlib
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -30,11 +33,33 @@ def file_digest(paths, extra: str = "") -> str:
     return digest.hexdigest()
 
 
-class TokenWindows:
-    """``len(self)`` windows of ``seq_length + 1`` tokens over one token stream (see the module docstring)."""
+_BLOCK_TOKENS = 1 << 24
+"""Tokens read at a time when a source is scanned for its token range."""
 
-    def __init__(self, stream: np.ndarray, seq_length: int, *, num_samples: int | None, fingerprint: str,
-                 tokenizer: str, tokenizer_vocab_size: int | None, name: str = "the token data"):
+
+@dataclass(frozen=True)
+class SourceSummary:
+    """What a writer checks and records of its whole source: one pass over it (:attr:`TokenWindows.summary`)."""
+
+    fingerprint: str
+    """SHA-256 of the content, the windowing and the sample count (the store's ``fingerprint``)."""
+    low: int
+    """The smallest token id of the windows."""
+    high: int
+    """The largest token id of the windows."""
+
+
+class TokenWindows:
+    """``len(self)`` windows of ``seq_length + 1`` tokens over one token stream (see the module docstring).
+
+    ``fingerprint``: the content hash of the source (or a function computing it, called once when first needed: a
+    10^10-token file takes minutes to hash, so a writer of many ranks computes :attr:`summary` on one rank and hands
+    the others its value, ``writer.share_summary``).
+    """
+
+    def __init__(self, stream: np.ndarray, seq_length: int, *, num_samples: int | None,
+                 fingerprint: str | Callable[[], str], tokenizer: str, tokenizer_vocab_size: int | None,
+                 name: str = "the token data"):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         available = max(0, (len(stream) - 1) // seq_length)
@@ -45,7 +70,7 @@ class TokenWindows:
                              f"windows of seq_length={seq_length} (+1)")
         self.stream, self.seq_length, self.num_samples = stream, seq_length, num_samples
         self.tokenizer, self.tokenizer_vocab_size, self.name = tokenizer, tokenizer_vocab_size, name
-        self.fingerprint = hashlib.sha256(f"{fingerprint}|S={seq_length}|N={num_samples}".encode()).hexdigest()
+        self._content = fingerprint if callable(fingerprint) else (lambda: fingerprint)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -56,10 +81,25 @@ class TokenWindows:
         starts = np.arange(begin, end, dtype=np.int64)[:, None] * s + np.arange(s + 1, dtype=np.int64)[None, :]
         return self.stream[starts].astype(np.int64)
 
+    @functools.cached_property
+    def summary(self) -> SourceSummary:
+        """The source's fingerprint and token range, computed once (streamed: memory independent of its size)."""
+        fingerprint = hashlib.sha256(f"{self._content()}|S={self.seq_length}|N={self.num_samples}".encode())
+        used, low, high = self.num_samples * self.seq_length + 1, None, None
+        for begin in range(0, used, _BLOCK_TOKENS):
+            block = np.asarray(self.stream[begin:min(begin + _BLOCK_TOKENS, used)])
+            low = int(block.min()) if low is None else min(low, int(block.min()))
+            high = int(block.max()) if high is None else max(high, int(block.max()))
+        return SourceSummary(fingerprint.hexdigest(), low, high)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the source's content, the windowing (seq_length) and the sample count."""
+        return self.summary.fingerprint
+
     def token_range(self) -> tuple[int, int]:
         """(smallest, largest) token id of the windows."""
-        used = self.stream[: self.num_samples * self.seq_length + 1]
-        return int(used.min()), int(used.max())
+        return self.summary.low, self.summary.high
 
 
 def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | None = None,
@@ -89,7 +129,7 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
                          "another .idx")
     # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
     stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
-    return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=file_digest(paths),
+    return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=lambda: file_digest(paths),
                         tokenizer=tokenizer, tokenizer_vocab_size=None, name=str(paths[1]))
 
 
@@ -170,7 +210,7 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
             if eos is not None:
                 ids.append(eos)
     return TokenWindows(np.asarray(ids, dtype=np.int64), seq_length, num_samples=num_samples,
-                        fingerprint=file_digest([path], extra=identity), tokenizer=identity,
+                        fingerprint=lambda: file_digest([path], extra=identity), tokenizer=identity,
                         tokenizer_vocab_size=vocab_size, name=str(path))
 
 

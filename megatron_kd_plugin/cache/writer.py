@@ -7,13 +7,19 @@ shards, so no two writers touch one file. Global rank 0 alone creates the store 
 
 Resume: a shard is processed from its samples alone, in micro-batches that never cross a shard, so a shard
 redone after a kill is bit-identical to the first attempt; a restart with the same settings skips the shards
-marked done and first deletes the temporaries a kill left between zarr's write and rename. A store with other
-settings at the path is replaced only with ``overwrite``; a path holding anything that is not a store of this
-project (a user's folder or file) is never written into nor deleted.
+already written (``format.ShardFiles``). Global rank 0 checks only the store's metadata; each data-parallel group
+then checks its own shards (the files of its written shards present) in parallel with the others, so no rank waits
+on work proportional to the whole store. The temporaries a kill left between zarr's write and rename are deleted
+when the run finishes. A store with other settings at the path is replaced only with ``overwrite``; a path holding
+anything that is not a store of this project (a user's folder or file) is never written into nor deleted.
 
-Repair (``repair``): the same settings as the run that wrote the store; every written shard is read and checked
-(``records.py``) and the damaged ones are deleted and unmarked, so the shard loop rewrites exactly those, byte
-for byte what a clean run writes.
+Bookkeeping: a writer keeps no shared progress (no marker array to rescan, no metadata rewritten per shard), so the
+cost of a shard's bookkeeping is the same at the millionth shard as at the first; the source's fingerprint and token
+range (one pass over its files) are computed once, on global rank 0, and handed to the other ranks.
+
+Repair (``repair``): the same settings as the run that wrote the store; every data-parallel group reads and checks
+(``records.py``) its own written shards, in parallel, and deletes the damaged ones, so the shard loop rewrites
+exactly those, byte for byte what a clean run writes.
 
 One run at a time: every process holds the store's writers' lock (``lock.py``) for the whole run, so a second run
 on the same store is refused while any process of the first lives.
@@ -101,28 +107,22 @@ def _agreed(fn, *args, everywhere: bool = False):
     return result
 
 
-def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool = False) -> WriterLock:
-    """Creates the store, or keeps an existing one with exactly ``spec`` (resume, leftover temporaries deleted;
-    ``repair``: its damaged shards deleted and unmarked, :func:`repair_store`); returns its writers' lock, held
-    exclusively by this process.
+def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
+    """Creates the store, or keeps an existing one with exactly ``spec`` (a resume: its shards are checked by their
+    owners, :func:`prepare_shards`); returns its writers' lock, held exclusively by this process. Constant time in the
+    size of a kept store (its metadata only).
 
     A store of this project with other settings, of an older format version, or with unreadable metadata is
     replaced only with ``overwrite`` (its contents deleted, the folder kept); a path that is not a store of this
     project (a folder with other files or without this tool's zarr.json, a regular file, a link) is refused,
-    ``overwrite`` or not, naming what it holds; an empty folder is written into (kept: a mount point works). A
-    resume refuses a store whose written shards lack files, naming ``--repair``. A live writer of the store is
-    refused (ValueError).
+    ``overwrite`` or not, naming what it holds; an empty folder is written into (kept: a mount point works). A live
+    writer of the store is refused (ValueError).
     """
     if output.is_dir() and not output.is_symlink() and (not any(output.iterdir()) or fmt.interrupted_creation(output)):
         fmt.create_store(output, spec)
         return WriterLock(output).exclusive()
     if output.exists() or output.is_symlink():
-        foreign = fmt.foreign_entries(output)
-        if foreign:
-            listed = "; ".join(foreign[:3]) + (f"; and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise ValueError(f"{output} is not a cache store written by this tool ({listed}): refusing to write into"
-                             f" it{' or replace it (--overwrite replaces only such stores)' if overwrite else ''};"
-                             " choose another --output, or move it away yourself")
+        _refuse_foreign(output, overwrite, deep=False)
         lock = WriterLock(output).exclusive()
         try:
             try:
@@ -133,20 +133,13 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, re
             except ValueError as exc:
                 differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
             if not differences:
-                fmt.remove_partials(output)
-                if repair:
-                    repair_store(output, group, spec)
-                else:
-                    missing = fmt.missing_shard_files(output, group, spec)
-                    if missing:
-                        raise ValueError(f"{output} is damaged: {len(missing)} files of written shards are missing "
-                                         f"({'; '.join(missing[:3])}); {REPAIR}")
                 return lock
+            _refuse_foreign(output, overwrite, deep=True)      # replacing deletes every file it holds: all ours?
             listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
             if not overwrite:
-                what = "--repair rewrites the damaged shards of a store written with the same settings only" \
-                    if repair else "pass --overwrite to replace it, or choose another --output"
-                raise ValueError(f"{output} already holds a store written with other settings ({listed}); {what}")
+                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
+                                 "--overwrite to replace it, or choose another --output (--repair rewrites the "
+                                 "damaged shards of a store written with the same settings only)")
             for entry in output.iterdir():               # the folder and the (held) lock file stay
                 if entry.name != LOCK_NAME:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -159,35 +152,54 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, re
     return WriterLock(output).exclusive()
 
 
-def repair_store(output: pathlib.Path, group: zarr.Group, spec: fmt.CacheSpec) -> list[int]:
-    """Reads every shard marked done; deletes the files of each damaged one (every per-sample array) and unmarks
-    it, so that the shard loop rewrites it. Returns the damaged shards (reported on stdout)."""
-    done, damaged = [], {}
-    for shard in range(spec.num_shards):
-        try:
-            marked = bool(group[fmt.SHARD_DONE][shard])
-        except ValueError as exc:                        # a damaged marker: the shard is redone
-            damaged[shard], marked = f"its {fmt.SHARD_DONE} marker is damaged ({exc})", False
-        if marked:
-            done.append(shard)
-    damaged |= SampleReader(output, group, spec).verify(done)
+def _refuse_foreign(output: pathlib.Path, overwrite: bool, *, deep: bool) -> None:
+    """ValueError naming what ``output`` holds unless it is a store of this project (``format.foreign_entries``)."""
+    foreign = fmt.foreign_entries(output, deep=deep)
+    if foreign:
+        listed = "; ".join(foreign[:3]) + (f"; and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{output} is not a cache store written by this tool ({listed}): refusing to write into"
+                         f" it{' or replace it (--overwrite replaces only such stores)' if overwrite else ''};"
+                         " choose another --output, or move it away yourself")
+
+
+def prepare_shards(output: pathlib.Path, spec: fmt.CacheSpec, shards: range, repair: bool) -> None:
+    """Checks the shards ``shards`` of a kept store (one data-parallel group's, by one of its ranks): ValueError naming
+    ``--repair`` when files of written ones are missing; ``repair``: every written shard read and checked, the damaged
+    ones deleted (reported on stdout), so that the shard loop rewrites them."""
+    if not shards:
+        return
+    group = zarr.open_group(output, mode="r")
+    files = fmt.ShardFiles(output, group, spec)
+    if not repair:
+        missing = files.missing_files(shards)
+        if missing:
+            raise ValueError(f"{output} is damaged: {len(missing)} files of written shards are missing "
+                             f"({'; '.join(missing[:3])}); {REPAIR}")
+        return
+    written = files.written(shards)
+    damaged = SampleReader(output, group, spec).verify(written)
     for shard, message in sorted(damaged.items()):
         begin, end = spec.shard_range(shard)
         print(f"[cache] --repair: shard {shard} (samples [{begin}, {end})) is damaged: {message}", flush=True)
-        for name in fmt.sample_arrays(spec):
-            array = group[name]
-            file = output / name / array.metadata.encode_chunk_key((shard,) + (0,) * (array.ndim - 1))
-            file.unlink(missing_ok=True)
-        group[fmt.SHARD_DONE][shard] = 0
-    if damaged:
-        group.attrs.update(complete=False)
-    print(f"[cache] --repair: {len(damaged)} of {len(done)} written shards damaged"
+        files.unwrite(shard)
+    print(f"[cache] --repair: {len(damaged)} of {len(written)} written shards of samples "
+          f"[{spec.shard_range(shards.start)[0]}, {spec.shard_range(shards.stop - 1)[1]}) damaged"
           f"{', rewriting them' if damaged else ''}", flush=True)
-    return sorted(damaged)
+
+
+def share_summary(source: TokenWindows) -> None:
+    """Computes the source's :attr:`~sources.TokenWindows.summary` (fingerprint and token range: one pass over its
+    files) on global rank 0 only, and hands it to every other rank (a failure raised on all ranks)."""
+    summary = _agreed(lambda: source.summary)
+    if _world()[1] > 1:
+        box = [summary]
+        dist.broadcast_object_list(box, src=0)
+        source.summary = box[0]
 
 
 def check_vocab(source: TokenWindows, vocab_size: int) -> None:
-    """The data's tokenizer and token ids must fit the teacher's vocabulary."""
+    """The data's tokenizer and token ids must fit the teacher's vocabulary (call :func:`share_summary` first
+    where several ranks hold the source)."""
     if source.tokenizer_vocab_size is not None and source.tokenizer_vocab_size > vocab_size:
         raise ValueError(f"tokenizer {source.tokenizer!r} has {source.tokenizer_vocab_size} ids but the teacher's "
                          f"vocabulary has {vocab_size}: data and teacher do not match")
@@ -229,10 +241,13 @@ def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int
 
 def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec, *, first_sample: int,
                   micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
-    """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row)."""
+    """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
+    place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes)."""
     names = [fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * spec.store_logsumexp + \
         [fmt.PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm + [fmt.REALISED_LOGPROB] * spec.cross_tokenizer
-    out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
+              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
+    out: dict[str, np.ndarray] = {}
     tokens = torch.from_numpy(windows)
     for start in range(0, len(windows), micro_batch_size):
         batch = tokens[start:start + micro_batch_size, :-1]                     # [b, s]
@@ -250,24 +265,21 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
                              f", position {position} (predicting token {position + 1} of the window)")
         for name in names:
-            out[name].append(rows[name].transpose(0, 1).cpu())                   # [b, s, ...]
+            values = rows[name].transpose(0, 1).cpu().numpy()                    # [b, s, ...]
+            if name not in out:
+                out[name] = np.empty((len(windows),) + values.shape[1:], dtype=dtypes[name])
+            out[name][start:start + len(values)] = values
         stats.tokens += batch.numel()
-    if not out[fmt.IDS]:
-        return {}
-    dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
-              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
-    return {fmt.TOKENS: windows.astype(np.int32)} | {name: torch.cat(values).numpy().astype(dtypes[name])
-                                                      for name, values in out.items()}
+    return {fmt.TOKENS: windows.astype(np.int32)} | out if out else {}
 
 
 def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
-    """The shard's data first, then its records (bound to the chunks just written), its done marker last."""
+    """The shard's data first, then its records (bound to the chunks just written), which mark it written
+    (``format.ShardFiles``)."""
     begin, end = spec.shard_range(shard)
     for name, values in arrays.items():
         group[name][begin:end] = values
-    if fmt.RECORDS in group:
-        group[fmt.RECORDS][begin:end] = shard_records(group.store.root, group, spec, shard)
-    group[fmt.SHARD_DONE][shard] = 1
+    group[fmt.RECORDS][begin:end] = shard_records(group.store.root, group, spec, shard)
 
 
 def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
@@ -291,27 +303,32 @@ def owned_shards(num_shards: int, dp_rank: int, dp_size: int) -> range:
 
 
 def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
-    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is done."""
+    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is written; deletes
+    the temporaries killed runs left (every writer of this run is done)."""
     group = zarr.open_group(output, mode="r+")
-    missing = fmt.missing_samples(group, spec)
+    missing = fmt.ShardFiles(output, group, spec).missing_samples()
     if missing:
         raise ValueError(f"cannot finish {output}: samples {fmt.describe_ranges(missing)} are not written")
-    group.attrs.update(complete=True, progress=fmt.progress_attrs(spec.num_shards, spec))
+    fmt.remove_partials(output)
+    group.attrs.update(complete=True)
 
 
 def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool,
                     vocab_table=None) -> WriterLock:
     """:func:`prepare_store` under the exclusive lock, which then turns shared (atomically: no run slips in); a
-    cross-tokenizer store gets the teacher's byte table (``vocab_table``, a ``token_bytes.TokenBytes``) first."""
-    lock = prepare_store(output, spec, overwrite, repair)
-    if vocab_table is not None:
-        try:
-            group = zarr.open_group(output, mode="r+")
+    cross-tokenizer store gets the teacher's byte table (``vocab_table``, a ``token_bytes.TokenBytes``) first; a
+    repair marks the store incomplete until it finishes (its damaged shards are deleted next)."""
+    lock = prepare_store(output, spec, overwrite)
+    try:
+        group = zarr.open_group(output, mode="r+")
+        if vocab_table is not None:
             group[fmt.VOCAB_OFFSETS][:] = vocab_table.offsets
             group[fmt.VOCAB_BYTES][:] = vocab_table.bytes
-        except BaseException:
-            lock.release()
-            raise
+        if repair and group.attrs.get("complete"):
+            group.attrs.update(complete=False)
+    except BaseException:
+        lock.release()
+        raise
     return lock.shared()
 
 
@@ -320,17 +337,27 @@ def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
     return lock if lock is not None else WriterLock(output).shared()
 
 
+def _preparer(dp_rank: int) -> bool:
+    """Whether this rank is the lowest global rank of its data-parallel group (the ranks that share ``dp_rank``):
+    the one that checks and repairs the group's shards."""
+    rank, world = _world()
+    if world == 1:
+        return True
+    dp_ranks = [None] * world
+    dist.all_gather_object(dp_ranks, dp_rank)
+    return dp_ranks.index(dp_rank) == rank
+
+
 def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, logits_fn: LogitsFn, *,
-                  micro_batch_size: int, tp_group, dp_rank: int, dp_size: int, progress: bool,
+                  micro_batch_size: int, tp_group, dp_size: int, shards: range, progress: bool,
                   on_shard_written: Callable[[int], None]) -> WriteStats:
-    """Computes this rank's shards not marked done and, on TP rank 0, writes them."""
+    """Computes the shards of ``shards`` not yet written and, on TP rank 0 of the last pipeline stage, writes them."""
     group = zarr.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     writes = tp_rank == 0
     stats = WriteStats()
-    shards = owned_shards(spec.num_shards, dp_rank, dp_size)
-    done = group[fmt.SHARD_DONE][:]
-    todo = [shard for shard in shards if not done[shard]]
+    written = set(fmt.ShardFiles(output, group, spec).written(shards))
+    todo = [shard for shard in shards if shard not in written]
     stats.shards_skipped = len(shards) - len(todo)
     show = progress and _world()[0] == 0
     from tqdm import tqdm
@@ -347,9 +374,6 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
             write_shard(group, spec, shard, arrays)
         stats.shards_written += 1
         bar.update((end - begin) * spec.seq_length)
-        if _world()[0] == 0:
-            shards_done = int(group[fmt.SHARD_DONE][:].sum())
-            group.attrs.update(progress=fmt.progress_attrs(shards_done, spec))
         on_shard_written(stats.shards_written)
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
@@ -365,7 +389,7 @@ def refuse_while_written(output) -> None:
 
 def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
                 temperature: float = 1.0, logprob_codec: str | None = None,
-                samples_per_shard: int = 16, store_logsumexp: bool = False, micro_batch_size: int = 1,
+                samples_per_shard: int | None = None, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
                 top_p: float | None = None, min_k: int | None = None, overwrite: bool = False,
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
@@ -396,6 +420,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
         logprob_codec = fmt.DEFAULT_DRAWS_CODEC if mode == "sampled" else fmt.DEFAULT_LOGPROB_CODEC
     fmt.check_logprob_codec(mode, logprob_codec)
     output = pathlib.Path(output)
+    share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
@@ -410,8 +435,11 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     lock = _agreed(_prepare_shared, output, spec, overwrite, repair, vocab_table)
     lock = _agreed(_join_shared, output, lock, everywhere=True)
     try:
+        shards = owned_shards(spec.num_shards, dp_rank, dp_size)
+        preparer = _preparer(dp_rank)
+        _agreed(lambda: preparer and prepare_shards(output, spec, shards, repair), everywhere=True)
         stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,
-                              tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size, progress=progress,
+                              tp_group=tp_group, dp_size=dp_size, shards=shards, progress=progress,
                               on_shard_written=on_shard_written)
         if after_shards is not None:
             after_shards()

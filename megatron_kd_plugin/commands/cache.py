@@ -85,7 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="HF teacher parameter dtype (auto: the checkpoint's on a GPU, float32 without CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
-    p.add_argument("--samples-per-shard", type=int, default=16, help="samples per shard (resume unit)")
+    p.add_argument("--samples-per-shard", type=int, default=None,
+                   help="samples per shard file, the unit a writer owns and a kill redoes (default: 2^20 tokens a "
+                        "shard, i.e. 2^20 / --seq-length samples; docs/cache.md 'At scale')")
     p.add_argument("--logprob-codec", default=None, choices=sorted(fmt.LOGPROB_CODECS),
                    help="grid8 (the default of a top-K): a float16 row maximum and 8-bit codes below it, ~70 B/token "
                         "at K=100, round-trip KL ~5e-4 nats; fp16-bitround7 (the default with --draws: a grid cannot "
@@ -233,7 +235,7 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
 
     from megatron_kd_plugin.cache.sources import open_source
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
-    from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, write_cache
+    from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
     kind = teacher_kind(args)
     if kind != "hf" and args.pp != 1:
@@ -248,10 +250,11 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
                 tp=args.tp, pp=args.pp, ep=args.ep)
     source = open_source(args.data, args.seq_length, tokenizer=tokenizer, num_samples=args.num_samples,
                          text_key=args.text_key)
-    if kind == "hf":
-        check_vocab(source, vocab_size)
     created = init_distributed(args.tp, args.pp, args.ep)
     try:
+        share_summary(source)              # one pass over the data, on rank 0 only
+        if kind == "hf":
+            check_vocab(source, vocab_size)
         refuse_while_written(args.output)
         if kind == "hf":
             from megatron_kd_plugin.models.hf import build_model

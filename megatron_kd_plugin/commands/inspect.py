@@ -8,8 +8,8 @@ full-vocab entropy). For a top-p store, also the number of ids kept per token (t
 they hold. For a sampled store (``mode``
 shown first) the statistics are the number of distinct drawn ids per token and the teacher mass they cover.
 ``--plot`` draws both histograms into a PNG. ``--verify`` reads every written sample through the checking reader
-(``records.py``: every CRC32C, every chunk's record, every shard file present) and names every damaged shard
-with its first damage. Without it, a written shard whose file is missing, or damage in the samples the statistics
+(``records.py``: every CRC32C, every chunk's record, every shard file present), one process per core
+(``--workers``), and names every damaged shard with its first damage. Without it, a written shard whose file is missing, or damage in the samples the statistics
 read (checked the same way), is an error too; so is a store whose metadata are damaged or do not match its
 attributes (``format.open_store``). Every damage error names the command that repairs it.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import warnings
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.chunk_reader import REPAIR
-from megatron_kd_plugin.cache.records import SampleReader
+from megatron_kd_plugin.cache.records import SampleReader, verify_shards
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
@@ -56,28 +57,30 @@ def stored_bytes(path: pathlib.Path) -> dict[str, int]:
     return {child.name: size(child) for child in sorted(path.iterdir()) if not fmt.is_partial(child)}
 
 
-def verify(samples: SampleReader, group, spec: fmt.CacheSpec) -> int:
-    """Reads every sample of every shard marked done through ``samples``; the samples read. ValueError naming every
-    damaged shard (with its first damage) and the repair command."""
+def verify(path: pathlib.Path, group, spec: fmt.CacheSpec, written: list[int], workers: int) -> int:
+    """Reads every sample of the ``written`` shards, ``workers`` processes at once (``records.verify_shards``); the
+    samples read. ValueError naming every damaged shard (with its first damage) and the repair command."""
     for name in fmt.VOCAB_TABLE:
         if name in group:
             group[name][:]                     # one chunk each; zarr checks its CRC32C
-    done = np.flatnonzero(group[fmt.SHARD_DONE][:])
-    damaged = samples.verify(done)
+    damaged = verify_shards(path, group, spec, written, workers=workers, progress=True)
     if damaged:
         listed = "\n".join(f"  shard {shard} (samples [{spec.shard_range(shard)[0]}, {spec.shard_range(shard)[1]})): "
                             f"{message}" for shard, message in sorted(damaged.items()))
-        raise ValueError(f"{len(damaged)} of {len(done)} written shards of {samples.path} are damaged:\n{listed}\n"
+        raise ValueError(f"{len(damaged)} of {len(written)} written shards of {path} are damaged:\n{listed}\n"
                          f"{REPAIR}")
-    return sum(end - begin for begin, end in map(spec.shard_range, map(int, done)))
+    return sum(end - begin for begin, end in map(spec.shard_range, written))
 
 
-def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[str, np.ndarray]]:
+def describe(path, samples: int = 256, check: bool = False,
+             workers: int = 1) -> tuple[str, dict[str, np.ndarray]]:
     """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``; ``check``: verify
-    every written chunk first (see :func:`verify`)."""
+    every written chunk first, ``workers`` processes at once (see :func:`verify`)."""
     path = pathlib.Path(path)
     group, spec = fmt.open_store(path)
-    missing_files = [] if check else fmt.missing_shard_files(path, group, spec)   # --verify names them all
+    files = fmt.ShardFiles(path, group, spec)
+    written = files.written()
+    missing_files = [] if check else files.missing_files(written)   # --verify names them all
     if missing_files:
         raise ValueError(f"{path} is damaged: {len(missing_files)} files of written shards are missing "
                          f"({'; '.join(missing_files[:3])}{'; ...' if len(missing_files) > 3 else ''}); {REPAIR}")
@@ -90,7 +93,7 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
         slots = f"top-p, P={spec.top_p}, min-k={spec.min_k}, at most K={spec.k} ids per token (the rest padding)"
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
     lines += [f"warning: {warning.message}" for warning in caught]
-    missing = fmt.missing_samples(group, spec)
+    missing = files.missing_samples()
     if group.attrs.get("complete") is True:
         lines.append(f"complete: yes ({spec.num_samples} samples)")
     else:
@@ -105,10 +108,9 @@ def describe(path, samples: int = 256, check: bool = False) -> tuple[str, dict[s
     if partials:
         lines.append(f"  {len(partials)} temporary files a killed run left (not counted; the next run deletes them)")
     if check:
-        lines.append(f"verified: every checksum and record of the {verify(checked, group, spec)} written samples "
-                     "matches")
-    written = np.flatnonzero(group[fmt.SHARD_DONE][:])
-    picked = np.concatenate([np.arange(*spec.shard_range(int(s))) for s in written]) if len(written) else \
+        lines.append(f"verified: every checksum and record of the {verify(path, group, spec, written, workers)} "
+                     "written samples matches")
+    picked = np.concatenate([np.arange(*spec.shard_range(s)) for s in written]) if written else \
         np.zeros(0, dtype=np.int64)
     picked = picked[np.linspace(0, len(picked) - 1, min(samples, len(picked))).round().astype(int)] \
         if len(picked) else picked
@@ -158,9 +160,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--samples", type=int, default=256, help="samples to compute the statistics over")
     parser.add_argument("--plot", default=None, help="write top-K mass and entropy histograms to this PNG")
     parser.add_argument("--verify", action="store_true", help="read every written chunk and check its checksums")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="processes that --verify reads with (default: one per core)")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers}: expected >= 1")
     try:
-        text, stats = describe(args.store, args.samples, check=args.verify)
+        text, stats = describe(args.store, args.samples, check=args.verify, workers=args.workers)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}")
         return 2
