@@ -16,6 +16,8 @@ import math
 import shutil
 from unittest import mock
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -42,8 +44,13 @@ def write_hf_teacher_cache(teacher, store) -> None:
     from megatron_kd_plugin.cache.writer import write_cache
     from tests.hf_models import hf_logits
 
+    def content() -> str:                       # records which ranks scan the source (issue 37: rank 0 only)
+        with open(pathlib.Path(store).with_name("scanned"), "a") as f:
+            f.write(str(dist.get_rank()))
+        return "test-student"
+
     stream = np.random.default_rng(0).integers(0, VOCAB, size=SAMPLES * SEQ + 1)
-    source = TokenWindows(stream, SEQ, num_samples=SAMPLES, fingerprint="test-student", tokenizer="synthetic",
+    source = TokenWindows(stream, SEQ, num_samples=SAMPLES, fingerprint=content, tokenizer="synthetic",
                           tokenizer_vocab_size=VOCAB)
     write_cache(source, lambda tokens: hf_logits(teacher, tokens).float().transpose(0, 1), store, k=K,
                 vocab_size=VOCAB, teacher="tiny-hf-qwen3", samples_per_shard=2, dp_rank=dist.get_rank(),
@@ -117,7 +124,8 @@ def student_body(teacher, student, small_student, tmp):
     return {"history": history, "reference": reference, "resumed history": first_half + second_half,
             "params": gathered_parameters(uninterrupted), "resumed params": gathered_parameters(resumed),
             "megatron": megatron, "exported": hf_logits(exported, tokens), "original": hf_logits(student, tokens),
-            "exported files": sorted(p.name for p in exported.iterdir()), "small vocab": small_vocab_error}
+            "exported files": sorted(p.name for p in exported.iterdir()), "small vocab": small_vocab_error,
+            "scanned": (tmp / "scanned").read_text()}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +137,12 @@ def student_run(tiny_hf_qwen3, tmp_path_factory):
     student = save_tiny_causal_lm(tmp / "student", "qwen3", vocab_size=VOCAB, num_hidden_layers=1, seed=3)
     small = save_tiny_causal_lm(tmp / "small", "qwen3", vocab_size=500, num_hidden_layers=1, seed=4)
     return run_on_ranks(2, student_body, tiny_hf_qwen3, student, small, tmp, timeout=600)
+
+
+def test_the_cache_writers_scan_their_source_once_on_rank_0(student_run):
+    """Issue 37: the fingerprint and token range of the source (one pass over its files) are computed on global rank
+    0 alone and handed to the other writer ranks."""
+    assert [rank["scanned"] for rank in student_run] == ["0", "0"]
 
 
 def test_hf_student_starts_from_its_weights_and_learns(student_run):

@@ -181,14 +181,21 @@ def _verify_block(path: str, shards: list[int]) -> dict[int, str]:
         return SampleReader(path, group, spec).verify(shards)
 
 
-def verify_shards(path, group: zarr.Group, spec: fmt.CacheSpec, shards, *, workers: int = 1,
-                  progress: bool = False) -> dict[int, str]:
+PROCESS_TOKENS = 1 << 23
+"""The least tokens worth a verifying process of their own (a process starts in ~2 s, reads ~1-2 M tokens/s)."""
+
+
+def verify_shards(path, group: zarr.Group, spec: fmt.CacheSpec, shards, *, workers: int = 1, progress: bool = False,
+                  process_tokens: int = PROCESS_TOKENS) -> dict[int, str]:
     """{shard: the first damage found in it} over ``shards`` of the store at ``path``, every sample read and checked
-    by ``workers`` processes at once (each a block of shards at a time); ``progress``: a bar on stderr."""
+    by up to ``workers`` processes at once, one per ``process_tokens`` tokens at least (each a block of shards at a
+    time; a small store is read in this process); ``progress``: a bar on stderr."""
     from tqdm import tqdm
 
     shards = [int(shard) for shard in shards]
-    if workers <= 1 or len(shards) < 2:
+    tokens = sum(end - begin for begin, end in map(spec.shard_range, shards)) * spec.seq_length
+    workers = min(workers, len(shards), max(1, tokens // max(1, process_tokens)))
+    if workers <= 1:
         return SampleReader(path, group, spec).verify(tqdm(shards, unit="shard", desc="verifying",
                                                            disable=not progress))
     import concurrent.futures
