@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import shutil
 from unittest import mock
-
-import pathlib
 
 import numpy as np
 import pytest

@@ -84,7 +84,7 @@ def files_in(path: pathlib.Path) -> tuple[int, int]:
 
 def layout(work: pathlib.Path) -> None:
     rows = []
-    for shard_tokens in (1 << 16, 1 << 18, 1 << 20, 1 << 22):
+    for shard_tokens in (1 << 16, 1 << 18, 1 << 20):
         p = shard_tokens // S
         spec = fmt.CacheSpec(k=K, vocab_size=V, seq_length=S, num_samples=p, samples_per_shard=p)
         store = work / f"layout_{p}"
@@ -122,7 +122,7 @@ class HashedTokens:
 
 
 def writer(work: pathlib.Path, sizes: list[float]) -> None:
-    vocab, k, per_shard, shards = 4096, 16, 16, 4
+    vocab, k, per_shard, shards = 1024, 8, 16, 4
     table_logits = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
 
     def logits_fn(tokens):                               # [b, s] -> [s, b, V]

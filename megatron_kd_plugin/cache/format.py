@@ -547,6 +547,21 @@ def _differences(found, expected, where: str = "") -> list[str]:
     return [] if found == expected else [f"{where} {found!r:.80} on disk, {expected!r:.80} implied"]
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
+"""A URL's scheme (``s3://``, ``msc://``, ``gs://``...), also as ``pathlib`` folds it (``s3:/bucket``)."""
+
+
+def local_path(path, what: str = "a store") -> pathlib.Path:
+    """``path`` as a local path; ValueError (one line) for a URL: stores and token data are read and written on a
+    local or mounted file system only (object storage: issue #38), and ``pathlib`` would fold ``s3://bucket/x``
+    into a local folder named ``s3:``."""
+    url = _URL.match(os.fspath(path))
+    if url:
+        raise ValueError(f"{os.fspath(path)}: {what} on object storage ({url.group(1)}://) is not supported yet; copy "
+                         f"it to a local or mounted file system (a FUSE mount of the bucket works) and pass that path")
+    return pathlib.Path(path)
+
+
 def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     """(group, spec) of the store at ``path``, after checking its metadata; ValueError saying what is wrong.
 
@@ -555,7 +570,7 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     (normalised by zarr: :func:`_normalised`) must be what :func:`create_store` writes for those attributes: an
     attribute or a codec setting edited against the arrays is refused here instead of serving wrong rows.
     """
-    path = pathlib.Path(path)
+    path = local_path(path)
     if not (path / "zarr.json").is_file():
         raise ValueError(f"{path} is not a teacher cache (no zarr.json)")
     documents = {}

@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_kd_plugin.cache.format import local_path
+
 
 def file_digest(paths, extra: str = "") -> str:
     """SHA-256 over the contents of ``paths`` (in the given order) and ``extra``."""
@@ -217,6 +219,7 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
 def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num_samples: int | None = None,
                 text_key: str = "text") -> TokenWindows:
     """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix."""
+    local_path(data, "token data")
     if data.endswith((".jsonl", ".json")):
         if not tokenizer:
             raise ValueError(f"JSONL data {data} needs --tokenizer (a tokenizer.json file or a HF name)")

@@ -383,7 +383,7 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
 def refuse_while_written(output) -> None:
     """ValueError on every rank while another run holds the writers' lock of the store at ``output``: the cache
     command asks before it loads the teacher (minutes for a large one); ``write_cache`` takes the lock for real."""
-    lock_file = pathlib.Path(output) / LOCK_NAME
+    lock_file = fmt.local_path(output) / LOCK_NAME
     _agreed(lambda: lock_file.is_file() and WriterLock(output).exclusive().release())
 
 
@@ -419,7 +419,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     if logprob_codec is None:
         logprob_codec = fmt.DEFAULT_DRAWS_CODEC if mode == "sampled" else fmt.DEFAULT_LOGPROB_CODEC
     fmt.check_logprob_codec(mode, logprob_codec)
-    output = pathlib.Path(output)
+    output = fmt.local_path(output)
     share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,

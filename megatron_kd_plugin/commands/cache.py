@@ -237,6 +237,8 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
     from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
+    fmt.local_path(args.output)                                   # before anything loads
+    fmt.local_path(args.data, "token data")
     kind = teacher_kind(args)
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "

@@ -76,7 +76,7 @@ def describe(path, samples: int = 256, check: bool = False,
              workers: int = 1) -> tuple[str, dict[str, np.ndarray]]:
     """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``; ``check``: verify
     every written chunk first, ``workers`` processes at once (see :func:`verify`)."""
-    path = pathlib.Path(path)
+    path = fmt.local_path(path)
     group, spec = fmt.open_store(path)
     files = fmt.ShardFiles(path, group, spec)
     written = files.written()
