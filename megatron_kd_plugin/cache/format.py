@@ -634,8 +634,12 @@ class ShardFiles:
 
     def file(self, name: str, shard: int) -> pathlib.Path:
         """The file of array ``name`` that holds shard ``shard``."""
+        return pathlib.Path(self._file(name, shard))
+
+    def _file(self, name: str, shard: int) -> str:
         metadata = self.arrays[name]
-        return self.path / name / metadata.encode_chunk_key((int(shard),) + (0,) * (len(metadata.shape) - 1))
+        key = metadata.encode_chunk_key((int(shard),) + (0,) * (len(metadata.shape) - 1))
+        return os.path.join(self.path, name, key)
 
     def written(self, shards=None) -> list[int]:
         """The shards of ``shards`` (default: all) that are completely written, ascending."""
@@ -643,7 +647,7 @@ class ShardFiles:
         if self._markers is not None:
             done = self._markers[:]
             return [int(shard) for shard in shards if done[shard]]
-        return [int(shard) for shard in shards if self.file(RECORDS, shard).is_file()]
+        return [int(shard) for shard in shards if os.path.isfile(self._file(RECORDS, shard))]
 
     def missing_files(self, shards=None) -> list[str]:
         """The files of the written shards among ``shards`` (default: all) that do not exist, as texts naming each
@@ -651,8 +655,8 @@ class ShardFiles:
         missing = []
         for shard in self.written(shards):
             for name in self.arrays:
-                file = self.file(name, shard)
-                if not file.is_file():
+                file = self._file(name, shard)
+                if not os.path.isfile(file):
                     begin, end = self.spec.shard_range(shard)
                     missing.append(f"{file} (samples [{begin}, {end}))")
         return missing
