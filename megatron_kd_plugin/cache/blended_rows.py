@@ -5,8 +5,9 @@ Row i of the blend is row j_i of source d_i, where (d_i, j_i) is megatron-core's
 (``megatron.core.datasets.helpers.build_blending_indices``, what its ``BlendedDataset`` uses): each row goes to the
 source whose drawn share lags its weight most, so every prefix of the order holds the sources in proportion and
 (d_i, j_i) depends on the weights and i alone. Source d's rows are a ``rows.KDRows`` over its cached samples (its
-epochs, each in its own permutation from (seed, epoch)), so row i is a pure function of (the blend, seed, i): a run
-resumed at ``consumed_samples`` continues on exactly the rows it would have seen, under any DP size or batch size.
+epochs, each in its own order computed row by row from (seed, epoch): ``window_order``), so row i is a pure function
+of (the blend, seed, i): a run resumed at ``consumed_samples`` continues on exactly the rows it would have seen,
+under any DP size or batch size.
 Without weights each source weighs its rows per epoch (Megatron's blend of sizes: one epoch of the blend is one
 epoch of each source, the way stores written by separate cache jobs over disjoint data join).
 

@@ -6,9 +6,11 @@ a student) says in one place what the store holds for it (``serves``), how a row
 ``teacher`` is the kind's typed teacher, which picks the loss: ``megatron_kd_plugin.loss.step``) and what it needs of
 the run (``check``). Nothing else tests which kind a store or a row is.
 
-Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own permutation drawn
-from (seed, epoch): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by Megatron's
-samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same sequence.
+Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own order, a keyed
+bijection of the epoch's windows computed row by row from (seed, epoch) (``window_order.WindowOrder``: O(1) memory,
+no array of the epoch's windows): row j is a pure function of (seed, j), so a run resumed at ``consumed_samples`` by
+Megatron's samplers continues on exactly the rows it would have seen, and any DP size / batch size reads the same
+sequence.
 Each row carries the index of its store among the run's (``KDRow.source``): a blend of stores (``blended_rows``)
 reports each store's figures apart.
 """
@@ -21,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from megatron_kd_plugin.cache.window_order import WindowOrder
 from megatron_kd_plugin.loss import KDLossOptions
 
 
@@ -100,21 +103,22 @@ class RowKind(abc.ABC):
 
 class KDRows(torch.utils.data.Dataset):
     """``num_rows`` rows of ``kind`` drawn from the cached samples ``sample_ids`` (module docstring), each marked as
-    coming from source ``source`` (``KDRow.source``)."""
+    coming from source ``source`` (``KDRow.source``). ``sample_ids``: a ``range`` (kept as it is: nothing per sample,
+    as nothing per window) or any sequence of ids."""
 
-    def __init__(self, kind: RowKind, sample_ids: np.ndarray, *, num_rows: int, seed: int, shuffle: bool = True,
-                 source: int = 0):
+    def __init__(self, kind: RowKind, sample_ids: range | np.ndarray, *, num_rows: int, seed: int,
+                 shuffle: bool = True, source: int = 0):
         if len(sample_ids) == 0:
             raise ValueError("this split holds no cached samples; change the split or write a larger cache")
         self.kind = kind
-        self.sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        self.sample_ids = sample_ids if isinstance(sample_ids, range) else np.asarray(sample_ids, dtype=np.int64)
         self.windows_per_sample = kind.rows_per_sample()
         self.windows_per_epoch = len(self.sample_ids) * self.windows_per_sample
         self.num_rows = num_rows
         self.seed = seed
         self.shuffle = shuffle
         self.source = torch.tensor(source, dtype=torch.int64)
-        self._epoch, self._order = -1, None
+        self._order = None   # the WindowOrder of the last epoch read (a few round keys)
 
     def __len__(self) -> int:
         return self.num_rows
@@ -124,10 +128,11 @@ class KDRows(torch.utils.data.Dataset):
         if not 0 <= row < self.num_rows:
             raise IndexError(f"row {row} out of range for a dataset of {self.num_rows} rows")
         epoch, position = divmod(row, self.windows_per_epoch)
-        if self.shuffle and epoch != self._epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows_per_epoch)
-            self._epoch = epoch
-        window = int(self._order[position]) if self.shuffle else position
+        window = position
+        if self.shuffle:
+            if self._order is None or self._order.epoch != epoch:
+                self._order = WindowOrder(self.windows_per_epoch, seed=self.seed, epoch=epoch)
+            window = self._order(position)
         sample, offset = divmod(window, self.windows_per_sample)
         return int(self.sample_ids[sample]), offset
 
