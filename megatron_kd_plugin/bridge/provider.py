@@ -28,7 +28,6 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.utils import get_blend_from_list
-import numpy as np
 
 from megatron_kd_plugin.cache import (
     BlendedRows,
@@ -262,11 +261,11 @@ class TopKCacheDatasetProvider(DatasetProvider):
                                             num_rows=rows, seed=seed, shuffle=self.shuffle))
         return tuple(datasets)
 
-    def _sample_ids(self, kind: RowKind, split: int) -> np.ndarray | None:
+    def _sample_ids(self, kind: RowKind, split: int) -> range | None:
         """The cached samples of split ``split`` in ``kind``'s store: all of them with ``blend_per_split``, else the
-        split's contiguous range (None: ``split`` gives the split weight 0)."""
+        split's contiguous range (None: ``split`` gives the split weight 0); a ``range``, nothing per sample."""
         n = kind.num_samples()
         if self.blend_per_split is not None:
-            return np.arange(n)
+            return range(n)
         bound = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))[split]
-        return None if bound is None else np.arange(int(round(bound[0] * n)), int(round(bound[1] * n)))
+        return None if bound is None else range(int(round(bound[0] * n)), int(round(bound[1] * n)))
