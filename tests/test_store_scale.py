@@ -13,7 +13,7 @@ import zarr
 
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import BoundedCache
+from megatron_kd_plugin.cache.chunk_reader import ENTRY_BYTES, BoundedCache
 from megatron_kd_plugin.cache.records import SampleReader, verify_shards
 from megatron_kd_plugin.cache.writer import prepare_shards
 from tests.test_cache_store import N, S, V, _flip, _tree, write
@@ -74,19 +74,20 @@ def test_the_writer_looks_at_no_shard_but_its_own(tmp_path, monkeypatch):
 
 
 def test_reader_caches_keep_their_bound(tmp_path, monkeypatch):
-    cache = BoundedCache(max_bytes=100)
+    entry = 40 + ENTRY_BYTES                                                 # 10 int32 values and the bookkeeping
+    cache = BoundedCache(max_bytes=2 * entry + 1)
     for key in range(5):
-        cache.put(key, np.zeros(10, dtype=np.int32))                         # 40 bytes each: two fit
+        cache.put(key, np.zeros(10, dtype=np.int32))                         # two fit
         cache.get(0)                                                         # 0 stays the most recent
-    assert len(cache) == 2 and cache.get(0) is not None and cache.get(4) is not None and cache.nbytes == 80
+    assert len(cache) == 2 and cache.get(0) is not None and cache.get(4) is not None and cache.nbytes == 2 * entry
     write(tmp_path / "c", samples_per_shard=1)
     group, spec = fmt.open_store(tmp_path / "c")
     reader = SampleReader(tmp_path / "c", group, spec)
     bound = reader.readers[fmt.IDS]._index_cache.max_bytes
-    assert bound <= 1 << 24
+    assert bound <= 1 << 22
     for name in reader.readers:
-        reader.readers[name]._index_cache.max_bytes = 32                     # two one-chunk shard indexes
-    reader._records.max_bytes = 2 * 4 * len(reader.bound)                 # two shards' records (uint32 [1, A])
+        reader.readers[name]._index_cache.max_bytes = 2 * (16 + ENTRY_BYTES)  # two one-chunk shard indexes
+    reader._records.max_bytes = 2 * (4 * len(reader.bound) + ENTRY_BYTES)   # two shards' records (uint32 [1, A])
     for sample in range(N):
         reader.read(sample)
         assert all(len(each._index_cache) <= 2 for each in reader.readers.values()) and len(reader._records) <= 2

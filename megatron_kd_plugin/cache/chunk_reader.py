@@ -33,13 +33,18 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 _EMPTY = 2**64 - 1
-CACHE_BYTES = 1 << 24
+CACHE_BYTES = 1 << 22
 """What a reader keeps of one array's shard indexes (and of the records of its shards, ``records.py``) at most, in
-bytes: its memory does not grow with the store it reads (a shard index is 16 B per chunk)."""
+bytes, each entry counted with :data:`ENTRY_BYTES` of bookkeeping: its memory does not grow with the store it reads (a
+shard index is 16 B per chunk: 4 KiB at the default 256 samples a shard, so ~1,000 shards' indexes; a miss costs one
+read of the index)."""
+ENTRY_BYTES = 256
+"""What a cached entry costs beyond its values (the numpy array object and the cache's own bookkeeping)."""
 
 
 class BoundedCache:
-    """{key: numpy array} holding at most ``max_bytes`` of values, the least recently used dropped first."""
+    """{key: numpy array} holding at most ``max_bytes`` (values and :data:`ENTRY_BYTES` each), the least recently
+    used dropped first."""
 
     def __init__(self, max_bytes: int = CACHE_BYTES):
         self.max_bytes, self.nbytes = max_bytes, 0
@@ -54,14 +59,14 @@ class BoundedCache:
     def put(self, key, value: np.ndarray) -> None:
         self.pop(key)
         self._values[key] = value
-        self.nbytes += value.nbytes
+        self.nbytes += value.nbytes + ENTRY_BYTES
         while self.nbytes > self.max_bytes and len(self._values) > 1:
-            self.nbytes -= self._values.popitem(last=False)[1].nbytes
+            self.nbytes -= self._values.popitem(last=False)[1].nbytes + ENTRY_BYTES
 
     def pop(self, key) -> None:
         value = self._values.pop(key, None)
         if value is not None:
-            self.nbytes -= value.nbytes
+            self.nbytes -= value.nbytes + ENTRY_BYTES
 
     def clear(self) -> None:
         self._values.clear()
