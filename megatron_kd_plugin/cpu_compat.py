@@ -11,6 +11,8 @@ Megatron-Bridge's training schedules (they allocate on "cuda"; see ``megatron_kd
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _applied = False
@@ -34,7 +36,27 @@ def apply_cpu_workarounds() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None
+    # the attention masks megatron builds itself when a layer has a sliding window (gpt-oss) or gets no mask are
+    # allocated with a literal device="cuda": build them on the CPU (each module holds its own reference)
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    for module in (transformer_utils, fused_softmax):
+        for name in ("get_sliding_window_causal_mask", "get_default_causal_mask"):
+            setattr(module, name, _cuda_literal_on_cpu(getattr(module, name)))
     _applied = True
+
+
+def _cuda_literal_on_cpu(function):
+    """``function`` run so that its literal ``device="cuda"`` allocations land on the CPU (megatron's own code, not
+    a copy of it)."""
+
+    @functools.wraps(function)
+    def on_cpu(*args, **kwargs):
+        with _CudaDeviceAsCpu():
+            return function(*args, **kwargs)
+
+    return on_cpu
 
 
 def local_block_spec(config, vp_stage: int | None = None):
