@@ -40,8 +40,9 @@ FAMILY_EXTRAS = {
     "qwen3_moe": TINY_MOE,
     # gpt-oss: layer 0 sliding-window (4 tokens < the tests' 16), layer 1 full; YaRN (its default rope_parameters,
     # which Bridge hard-codes); attention sinks, q/k/v/o biases, router and expert biases (perturbed); 4 experts
-    # top-2 whose width differs from hidden (Bridge can tell the down_proj layout apart)
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+    # top-2 as wide as hidden, as in the released models (Bridge 0.6.2 guesses the HF expert layout from the shapes:
+    # at 2 x intermediate == hidden it takes gate_up_proj the wrong way round, logits off by ~2 nats, measured)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
                     attention_bias=True, initializer_range=0.1),
     # GLM-4.5: layer 0 dense, layer 1 MoE (4 routed experts top-2 + 1 shared), sigmoid router with a correction
     # bias (perturbed) and routed scaling, q/k/v bias, QK norm, half the head rotated

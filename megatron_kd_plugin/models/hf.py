@@ -10,8 +10,8 @@ and the requested parallel sizes allow is checked from ``config.json`` before an
 naming the offending value. Without CUDA the provider gets ``cpu_compat.cpu_model_settings()`` (local layers,
 fusions off, CPU initialisation, allgather MoE dispatcher, no grouped GEMM) and must be float32.
 
-Vocabulary: the provider pads it as Megatron training does (``make_vocab_size_divisible_by`` × TP, the padded
-rows' weights are zeros); ``provider.vocab_size`` stays the checkpoint's true size, :func:`padded_vocab_size` is
+Vocabulary: under TP the provider pads it as Megatron training does (``make_vocab_size_divisible_by`` × TP, the
+padded rows' weights are zeros); ``provider.vocab_size`` stays the checkpoint's true size, :func:`padded_vocab_size` is
 what the output layer holds. Rows at and above the true size are not the model's: callers mask them.
 """
 
@@ -104,6 +104,9 @@ def _auto_bridge(folder, dtype: torch.dtype):
     import megatron.bridge
     from megatron.bridge import AutoBridge
 
+    from megatron_kd_plugin.cpu_compat import bridge_local_expert_mappings
+
+    bridge_local_expert_mappings()
     if not AutoBridge.can_handle(str(folder)):
         name = architecture(read_hf_config(folder))
         raise ValueError(f"{folder}: architecture {name} is not one Megatron-Bridge {megatron.bridge.__version__} "
@@ -146,7 +149,10 @@ def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: in
     split = pipeline_split(provider.num_layers, pipeline_parallel)
     if split is not None:
         provider.num_layers_in_first_pipeline_stage, provider.num_layers_in_last_pipeline_stage = split
-    provider.should_pad_vocab = True
+    # padded as Megatron training pads it, for TP; at TP=1 there is nothing to split, and Bridge 0.6.2 loads the
+    # embedding at TP=1 without padding it (a vocabulary that is no multiple of make_vocab_size_divisible_by, e.g.
+    # DeepSeek-V3's 1280 at a tiny size, fails with a shape mismatch)
+    provider.should_pad_vocab = tensor_parallel > 1
     provider.params_dtype = provider.pipeline_dtype = dtype
     provider.bf16, provider.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     if inference:
