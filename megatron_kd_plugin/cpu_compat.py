@@ -57,9 +57,11 @@ def apply_cpu_workarounds() -> None:
 def _attention_with_head_widths(local_attention: type) -> type:
     """megatron-core's local ``DotProductAttention`` that also takes ``k_channels`` / ``v_channels`` (the widths of a
     query/key head and of a value head, which differ under multi-latent attention). Its computation holds for any
-    widths; only the output width (heads x value width) and the default scale (1/sqrt(key width)) need them."""
+    widths; only the output width (heads x value width) and the default scale (1/sqrt(key width)) need them. The class
+    keeps its base's name: Megatron-Bridge tells how a module's weights split over TP by its class name (gpt-oss's
+    sinks)."""
 
-    class DotProductAttentionWithHeadWidths(local_attention):
+    class DotProductAttention(local_attention):
         def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             if v_channels is not None:
@@ -68,7 +70,7 @@ def _attention_with_head_widths(local_attention: type) -> type:
                 coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
                 self.softmax_scale = 1.0 / (k_channels ** 0.5) / coeff
 
-    return DotProductAttentionWithHeadWidths
+    return DotProductAttention
 
 
 def _cuda_literal_on_cpu(function):
