@@ -110,15 +110,50 @@ def save_tiny_causal_lm(folder, architecture: str = "qwen3", *, vocab_size: int 
     return folder
 
 
+def save_mxfp4_copy(source, folder, seed: int = 0) -> pathlib.Path:
+    """A copy of the gpt-oss checkpoint at ``source`` whose experts are stored as the released gpt-oss stores them:
+    MXFP4 ``*_blocks`` (uint8, two FP4 E2M1 codes per byte, blocks of 32 values along the input dimension) and
+    ``*_scales`` (uint8: the block's power-of-two exponent + 127), with ``quantization_config`` in config.json. The
+    codes are random and the exponents -7..-5 (values up to 6 · 2^-5): no quantizer is needed, both readers
+    dequantize the same bytes. Shapes: gate_up ``[E, 2·I, H/32, 16]`` / ``[E, 2·I, H/32]``, down ``[E, H, I/32, 16]``
+    / ``[E, H, I/32]``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, folder = pathlib.Path(source), pathlib.Path(folder)
+    shutil.copytree(source, folder)
+    weights = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name in [name for name in weights if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, width_in, width_out = weights.pop(name).shape                  # HF [E, in, out]
+        weights[f"{name}_blocks"] = torch.randint(0, 256, (experts, width_out, width_in // 32, 16),
+                                                  generator=generator, dtype=torch.uint8)
+        weights[f"{name}_scales"] = torch.randint(127 - 7, 127 - 4, (experts, width_out, width_in // 32),
+                                                  generator=generator, dtype=torch.uint8)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
 @torch.no_grad()
 def hf_logits(folder, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' own forward of the checkpoint at ``folder``: float64 logits ``[b, s, V]`` of ``tokens [b, s]``."""
+    """transformers' own forward of the checkpoint at ``folder``: float64 logits ``[b, s, V]`` of ``tokens [b, s]``
+    (an MXFP4 checkpoint dequantized by transformers itself, as it does without CUDA)."""
+    import json
+
     import transformers
 
+    quantized = "quantization_config" in json.loads((pathlib.Path(folder) / "config.json").read_text())
+    extra = dict(quantization_config=transformers.Mxfp4Config(dequantize=True)) if quantized else {}
     # the eager experts loop: transformers' default grouped_mm has no float64 kernel
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager",
-                                                              experts_implementation="eager").eval()
-    return model(input_ids=tokens).logits
+                                                              experts_implementation="eager", **extra).eval()
+    return model.to(torch.float64)(input_ids=tokens).logits          # (MXFP4 is dequantized to bf16: exact in fp64)
 
 
 PUBLISHED_QWEN3 = {

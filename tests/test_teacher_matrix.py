@@ -6,7 +6,8 @@ biases): Llama; gpt-oss (sliding window, attention sinks, YaRN, biased experts a
 dense then MoE layer, shared expert, sigmoid router with correction bias, partial rotary, QK norm, q/k/v bias);
 DeepSeek-V3, Kimi-K2's architecture (multi-latent attention with YaRN mscale, group-limited sigmoid routing, shared
 expert). Qwen3 and Qwen3-MoE are ``tests/test_hf_teacher.py``'s (TP=1, TP=2, PP=2, EP=2); here Qwen3-MoE adds the
-layouts that test lacks.
+layouts that test lacks. gpt-oss also as released: its experts in MXFP4 (``save_mxfp4_copy``), which Bridge
+dequantizes on load and transformers (the reference) dequantizes itself.
 
 Each store is written by the unchanged ``cache`` command (its ``main``, in-process on gloo ranks: one spawn per world
 size, every layout in it) on a Megatron indexed dataset of random ids, ``--logprob-codec fp32``, and must hold
@@ -32,7 +33,7 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tests.hf_models import hf_logits, save_tiny_causal_lm
+from tests.hf_models import hf_logits, save_mxfp4_copy, save_tiny_causal_lm
 
 S, K, NUM_SAMPLES, VOCAB = 16, 16, 4, 512
 GPT_OSS_VOCAB = 201_088
@@ -48,6 +49,7 @@ FAMILIES = {         # family: (architecture, layouts on 2 ranks)
     "glm4_moe": ("Glm4MoeForCausalLM", MOE_LAYOUTS),
     "deepseek_v3": ("DeepseekV3ForCausalLM", MOE_LAYOUTS),
     "qwen3_moe": ("Qwen3MoeForCausalLM", {name: MOE_LAYOUTS[name] for name in ("pp2", "tp2_ep2")}),
+    "gpt_oss_mxfp4": ("GptOssForCausalLM", {"tp2_ep2": ["--tp", "2", "--ep", "2"]}),   # experts as released: MXFP4
 }
 ON_FOUR = {          # store: (family, flags) on 4 ranks; "docs" is filled from docs/cache.md
     "gpt_oss_big_docs": ("gpt_oss_big", None),
@@ -117,6 +119,7 @@ def matrix(tiny_hf_qwen3_moe, tmp_path_factory):
     teachers = {family: save_tiny_causal_lm(work / family, family, vocab_size=VOCAB, perturb=True, seed=11)
                 for family in ("llama", "gpt_oss", "glm4_moe", "deepseek_v3")}
     teachers["qwen3_moe"] = tiny_hf_qwen3_moe
+    teachers["gpt_oss_mxfp4"] = save_mxfp4_copy(teachers["gpt_oss"], work / "gpt_oss_mxfp4")
     teachers["gpt_oss_big"] = save_tiny_causal_lm(work / "gpt_oss_big", "gpt_oss", vocab_size=GPT_OSS_VOCAB,
                                                   perturb=True, seed=12)
     small = _indexed_data(str(work / "small"), 0, VOCAB, 0)
@@ -171,7 +174,7 @@ def test_every_run_of_the_matrix_succeeds_on_every_rank(matrix):
 @pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss_big"])
 def test_every_store_holds_transformers_topk_at_every_layout(matrix, family):
     work, teachers, _ = matrix
-    architecture = FAMILIES["gpt_oss" if family == "gpt_oss_big" else family][0]
+    architecture = FAMILIES[family][0] if family in FAMILIES else FAMILIES["gpt_oss"][0]
     vocab = GPT_OSS_VOCAB if family == "gpt_oss_big" else (1000 if family == "qwen3_moe" else VOCAB)
     worst = {name: _check_store(work / f"{name}.zarr", teachers[family], architecture, vocab)
              for name, of in STORES.items() if of == family}
