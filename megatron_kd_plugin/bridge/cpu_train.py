@@ -51,8 +51,10 @@ class MasterPortInUse(ValueError):
     """The TCP port of ``MASTER_PORT`` (the user's choice) is taken on this machine."""
 
 
-def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
-    """gloo process group and megatron's parallel state, if not yet.
+def init_cpu_distributed(tensor_model_parallel_size: int, *, expert_model_parallel_size: int = 1,
+                         expert_tensor_parallel_size: int | None = None) -> None:
+    """gloo process group and megatron's parallel state, if not yet, at the model's TP, EP and expert TP (None:
+    megatron's default, TP): the sizes its provider was built with.
 
     Under torchrun (or with ``RANK``/``WORLD_SIZE`` set) the group comes from the environment, as torch's ``env://``
     reads it. A single process started without them needs no port: its group rendezvous in memory (a ``HashStore``),
@@ -75,12 +77,21 @@ def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
                     f"MASTER_PORT={os.environ['MASTER_PORT']} is already in use on {os.environ['MASTER_ADDR']} "
                     "(another run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single "
                     "process (it then needs none)") from None
+    expert_tensor_parallel_size = expert_tensor_parallel_size or tensor_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    initialized = parallel_state.get_tensor_model_parallel_world_size()
-    if initialized != tensor_model_parallel_size:
-        raise ValueError(f"model.tensor_model_parallel_size={tensor_model_parallel_size} but megatron's parallel "
-                         f"state was initialised with TP={initialized}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                                 expert_model_parallel_size=expert_model_parallel_size,
+                                                 expert_tensor_parallel_size=expert_tensor_parallel_size)
+    for name, wanted, initialized in (
+            ("tensor_model_parallel_size", tensor_model_parallel_size,
+             parallel_state.get_tensor_model_parallel_world_size()),
+            ("expert_model_parallel_size", expert_model_parallel_size,
+             parallel_state.get_expert_model_parallel_world_size()),
+            ("expert_tensor_parallel_size", expert_tensor_parallel_size,
+             parallel_state.get_expert_tensor_parallel_world_size())):
+        if initialized != wanted:
+            raise ValueError(f"model.{name}={wanted} but megatron's parallel state was initialised with "
+                             f"{initialized}")
 
 
 def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str, float]:
@@ -141,7 +152,9 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         raise ValueError(f"checkpoint.pretrained_checkpoint={pretrained}: the CPU loop starts only from a Hugging "
                          "Face checkpoint folder (config.json + *.safetensors)")
     apply_cpu_workarounds()
-    init_cpu_distributed(cfg.model.tensor_model_parallel_size)
+    init_cpu_distributed(cfg.model.tensor_model_parallel_size,
+                         expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+                         expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size)
     runtime_config_update(cfg)   # Bridge's finalisation + cfg.validate(), which includes the KD checks
     state = GlobalState()
     state.cfg = cfg

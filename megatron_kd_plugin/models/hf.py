@@ -189,6 +189,21 @@ def expert_tensor_parallel_size(provider, requested: int | None) -> int:
     return requested
 
 
+def check_expert_parallel(model, world: int | None = None) -> None:
+    """ValueError (one line) unless megatron-core can build ``model`` (a provider, e.g. a recipe's ``cfg.model``
+    after overrides) at its expert sizes: :func:`expert_tensor_parallel_size`'s rules, and with ``world`` (the
+    run's ranks or GPUs) the experts' grid, expert TP x EP x PP, dividing it. A dense model passes."""
+    if not getattr(model, "num_moe_experts", None):
+        return
+    etp = expert_tensor_parallel_size(model, model.expert_tensor_parallel_size or model.tensor_model_parallel_size)
+    grid = etp * model.expert_model_parallel_size * model.pipeline_model_parallel_size
+    if world is not None and world % grid:
+        raise ValueError(f"model.expert_tensor_parallel_size={etp} x model.expert_model_parallel_size="
+                         f"{model.expert_model_parallel_size} x model.pipeline_model_parallel_size="
+                         f"{model.pipeline_model_parallel_size} = {grid} does not divide the world size {world} "
+                         "(megatron-core's experts' grid)")
+
+
 def set_inference_mode(provider) -> None:
     """A forward as in inference: no dropout; MoE routes every token (no capacity, no aux/z loss); no MTP."""
     provider.hidden_dropout = provider.attention_dropout = 0.0
