@@ -114,11 +114,11 @@ def _argv(teacher, data, output, flags) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def matrix(tiny_hf_qwen3_moe, tmp_path_factory):
+def matrix(tiny_hf_qwen3_moe, tiny_hf_gpt_oss, tmp_path_factory):
     work = tmp_path_factory.mktemp("teacher_matrix")
     teachers = {family: save_tiny_causal_lm(work / family, family, vocab_size=VOCAB, perturb=True, seed=11)
-                for family in ("llama", "gpt_oss", "glm4_moe", "deepseek_v3")}
-    teachers["qwen3_moe"] = tiny_hf_qwen3_moe
+                for family in ("llama", "glm4_moe", "deepseek_v3")}
+    teachers["qwen3_moe"], teachers["gpt_oss"] = tiny_hf_qwen3_moe, tiny_hf_gpt_oss
     teachers["gpt_oss_mxfp4"] = save_mxfp4_copy(teachers["gpt_oss"], work / "gpt_oss_mxfp4")
     teachers["gpt_oss_big"] = save_tiny_causal_lm(work / "gpt_oss_big", "gpt_oss", vocab_size=GPT_OSS_VOCAB,
                                                   perturb=True, seed=12)
