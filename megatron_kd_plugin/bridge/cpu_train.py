@@ -120,13 +120,34 @@ def _allreduce_replicated_grads_over_tp(model, config) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
+def _is_expert(param) -> bool:
+    """A MoE expert's parameter (megatron marks them ``allreduce=False``): this rank's experts only, reduced over
+    the expert data-parallel group, not the data-parallel one."""
+    return not getattr(param, "allreduce", True)
+
+
+def _average_grads_over_data_parallel(params, dp_size: int) -> None:
+    """What megatron-core's DDP does: sum each gradient over the ranks that hold the same parameter and saw other
+    data (the data-parallel group; for an expert's, the expert data-parallel group: the other EP ranks hold other
+    experts) and divide by the data-parallel size (an expert's gradient already sums the tokens of its EP group)."""
+    groups = {False: parallel_state.get_data_parallel_group(), True: parallel_state.get_expert_data_parallel_group()}
+    for param in params:
+        dist.all_reduce(param.grad, group=groups[_is_expert(param)])
+        param.grad /= dp_size
+
+
 def _clip_grad_norm(params, max_norm: float) -> float:
-    """Global L2 norm of the gradients (TP-duplicated parameters counted once), then scale them to ``max_norm``
-    if above (0: no clipping) — megatron-core's rule; its own functions allocate on "cuda"."""
-    squares = sum((p.grad.float() ** 2).sum() for p in params if param_is_not_tensor_parallel_duplicate(p))
-    squares = torch.as_tensor(squares, dtype=torch.float32)
-    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    norm = float(squares.sqrt())
+    """Global L2 norm of the gradients (TP-duplicated parameters counted once; experts' over the experts' TP x EP x
+    PP ranks, which hold different experts), then scale them to ``max_norm`` if above (0: no clipping) —
+    megatron-core's rule; its own functions allocate on "cuda"."""
+    expert_tp = parallel_state.get_expert_tensor_parallel_group()
+    squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p, expert_tp_group=expert_tp):
+            squares[_is_expert(p)] += (p.grad.float() ** 2).sum()
+    dist.all_reduce(squares[False], group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    norm = float((squares[False] + squares[True]).sqrt())
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1.0:
         for p in params:
@@ -197,9 +218,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
                                      current_microbatch=microbatch)
             backward_step(None, output, None, model_config)
             loss += output.detach()   # already divided by num_tokens and num_microbatches
-        for param in params:   # what DDP does: average gradients over data-parallel ranks
-            dist.all_reduce(param.grad, group=dp_group)
-            param.grad /= dp_size
+        _average_grads_over_data_parallel(params, dp_size)
         _allreduce_replicated_grads_over_tp(models[0], model_config)
         grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]
