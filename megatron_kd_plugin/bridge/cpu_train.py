@@ -54,7 +54,7 @@ class MasterPortInUse(ValueError):
 def init_cpu_distributed(tensor_model_parallel_size: int, *, expert_model_parallel_size: int = 1,
                          expert_tensor_parallel_size: int | None = None) -> None:
     """gloo process group and megatron's parallel state, if not yet, at the model's TP, EP and expert TP (None:
-    megatron's default, TP): the sizes its provider was built with.
+    megatron's default, TP, and not checked against an existing state): the sizes its provider was built with.
 
     Under torchrun (or with ``RANK``/``WORLD_SIZE`` set) the group comes from the environment, as torch's ``env://``
     reads it. A single process started without them needs no port: its group rendezvous in memory (a ``HashStore``),
@@ -77,7 +77,6 @@ def init_cpu_distributed(tensor_model_parallel_size: int, *, expert_model_parall
                     f"MASTER_PORT={os.environ['MASTER_PORT']} is already in use on {os.environ['MASTER_ADDR']} "
                     "(another run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single "
                     "process (it then needs none)") from None
-    expert_tensor_parallel_size = expert_tensor_parallel_size or tensor_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                                  expert_model_parallel_size=expert_model_parallel_size,
@@ -89,7 +88,7 @@ def init_cpu_distributed(tensor_model_parallel_size: int, *, expert_model_parall
              parallel_state.get_expert_model_parallel_world_size()),
             ("expert_tensor_parallel_size", expert_tensor_parallel_size,
              parallel_state.get_expert_tensor_parallel_world_size())):
-        if initialized != wanted:
+        if wanted is not None and initialized != wanted:
             raise ValueError(f"model.{name}={wanted} but megatron's parallel state was initialised with "
                              f"{initialized}")
 
@@ -173,9 +172,10 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         raise ValueError(f"checkpoint.pretrained_checkpoint={pretrained}: the CPU loop starts only from a Hugging "
                          "Face checkpoint folder (config.json + *.safetensors)")
     apply_cpu_workarounds()
+    moe = bool(getattr(cfg.model, "num_moe_experts", None))            # a dense model has no expert sizes
     init_cpu_distributed(cfg.model.tensor_model_parallel_size,
                          expert_model_parallel_size=cfg.model.expert_model_parallel_size,
-                         expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size)
+                         expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size if moe else None)
     runtime_config_update(cfg)   # Bridge's finalisation + cfg.validate(), which includes the KD checks
     state = GlobalState()
     state.cfg = cfg
