@@ -3,7 +3,10 @@
 Every work-around is applied only when ``torch.cuda.is_available()`` is False; on a GPU these functions leave
 megatron-core untouched, so a GPU run never silently takes a CPU path. What runs on CPU with them: megatron-core's
 GPTModel with its local (non-Transformer-Engine) layers, tensor parallelism over gloo, forward and backward;
-MoE layers with expert parallelism (allgather dispatcher, router GEMM in torch); pipeline p2p over gloo.
+MoE layers with expert parallelism (allgather dispatcher, router GEMM in torch); pipeline p2p over gloo; the
+teachers of the README's families through Megatron-Bridge: sliding-window attention (gpt-oss; the mask megatron
+builds itself), multi-latent attention (DeepSeek-V3, Kimi-K2; the local attention takes its head widths), experts
+that Bridge maps only onto Transformer Engine's grouped experts (GLM-4.5; ``bridge_local_expert_mappings``).
 What does not: Transformer Engine layers, sequence parallelism through TE/apex norms, megatron-core's and
 Megatron-Bridge's training schedules (they allocate on "cuda"; see ``megatron_kd_plugin.bridge.cpu_train`` and
 ``megatron_kd_plugin.cache.teacher_forward``).
