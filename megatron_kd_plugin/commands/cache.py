@@ -151,8 +151,9 @@ def check_world(world: int, *, tp: int, pp: int, ep: int, etp: int | None = None
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of --tp x --pp = {tp} x {pp}")
     if world % (etp * ep * pp):
+        hint = "; --etp 1 folds the experts over the TP ranks" if etp > 1 and world % (ep * pp) == 0 else ""
         raise ValueError(f"world size {world} is not a multiple of --etp x --ep x --pp = {etp} x {ep} x {pp} (the "
-                         "experts' grid: expert TP x EP x PP x expert data parallel)")
+                         f"experts' grid: expert TP x EP x PP x expert data parallel{hint})")
 
 
 def init_distributed(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None) -> bool:
