@@ -3,13 +3,20 @@
 Every work-around is applied only when ``torch.cuda.is_available()`` is False; on a GPU these functions leave
 megatron-core untouched, so a GPU run never silently takes a CPU path. What runs on CPU with them: megatron-core's
 GPTModel with its local (non-Transformer-Engine) layers, tensor parallelism over gloo, forward and backward;
-MoE layers with expert parallelism (allgather dispatcher, router GEMM in torch); pipeline p2p over gloo.
+MoE layers with expert parallelism (allgather dispatcher, router GEMM in torch); pipeline p2p over gloo; the
+teachers of the README's families through Megatron-Bridge: sliding-window attention (gpt-oss; the mask megatron
+builds itself), multi-latent attention (DeepSeek-V3, Kimi-K2; the local attention takes its head widths), experts
+that Bridge maps only onto Transformer Engine's grouped experts (GLM-4.5; ``bridge_local_expert_mappings``).
 What does not: Transformer Engine layers, sequence parallelism through TE/apex norms, megatron-core's and
 Megatron-Bridge's training schedules (they allocate on "cuda"; see ``megatron_kd_plugin.bridge.cpu_train`` and
 ``megatron_kd_plugin.cache.teacher_forward``).
 """
 
 from __future__ import annotations
+
+import copy
+import functools
+import re
 
 import torch
 
@@ -34,7 +41,51 @@ def apply_cpu_workarounds() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None
+    # the attention masks megatron builds itself when a layer has a sliding window (gpt-oss) or gets no mask are
+    # allocated with a literal device="cuda": build them on the CPU (each module holds its own reference)
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    for module in (transformer_utils, fused_softmax):
+        for name in ("get_sliding_window_causal_mask", "get_default_causal_mask"):
+            setattr(module, name, _cuda_literal_on_cpu(getattr(module, name)))
+    # multi-latent attention (DeepSeek-V3, Kimi-K2) hands its core attention TE's k_channels / v_channels, which the
+    # local DotProductAttention of the non-TE layer specs does not take
+    from megatron.core.models import backends
+
+    backends.DotProductAttention = _attention_with_head_widths(backends.DotProductAttention)
     _applied = True
+
+
+def _attention_with_head_widths(local_attention: type) -> type:
+    """megatron-core's local ``DotProductAttention`` that also takes ``k_channels`` / ``v_channels`` (the widths of a
+    query/key head and of a value head, which differ under multi-latent attention). Its computation holds for any
+    widths; only the output width (heads x value width) and the default scale (1/sqrt(key width)) need them. The class
+    keeps its base's name: Megatron-Bridge tells how a module's weights split over TP by its class name (gpt-oss's
+    sinks)."""
+
+    class DotProductAttention(local_attention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+            if k_channels is not None and kwargs.get("softmax_scale") is None:
+                coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
+                self.softmax_scale = 1.0 / (k_channels ** 0.5) / coeff
+
+    return DotProductAttention
+
+
+def _cuda_literal_on_cpu(function):
+    """``function`` run so that its literal ``device="cuda"`` allocations land on the CPU (megatron's own code, not
+    a copy of it)."""
+
+    @functools.wraps(function)
+    def on_cpu(*args, **kwargs):
+        with _CudaDeviceAsCpu():
+            return function(*args, **kwargs)
+
+    return on_cpu
 
 
 def local_block_spec(config, vp_stage: int | None = None):
@@ -171,3 +222,48 @@ def hf_export_without_modelopt() -> None:
         setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
     modules[names[-1]].is_quantized = lambda model: False
     sys.modules.update(modules)
+
+
+_GROUPED_EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<linear>linear_fc[12])\.(?P<kind>weight|bias)\*$")
+
+
+def bridge_local_expert_mappings() -> None:
+    """Let Megatron-Bridge load MoE experts into megatron-core's local experts on CPU (a no-op with CUDA present).
+
+    Without Transformer Engine the experts are ``SequentialMLP``s, named ``...mlp.experts.local_experts.N.linear_fcK``;
+    some of Bridge 0.6.2's mapping registries (GLM-4.5's) name only TE's grouped experts,
+    ``...mlp.experts.linear_fcK.weightN``, so their experts would not load. Every registry gets, for each grouped
+    expert mapping without a local twin, the same mapping under the local name (same class, same HF tensor; Bridge
+    reads the expert number from either name)."""
+    if not cuda_absent():
+        return
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+
+    original = MegatronMappingRegistry.__init__
+    if getattr(original, "adds_local_experts", False):
+        return
+
+    @functools.wraps(original)
+    def with_local_experts(self, *mappings):
+        original(self, *mappings, *_local_expert_twins(mappings))
+
+    with_local_experts.adds_local_experts = True
+    MegatronMappingRegistry.__init__ = with_local_experts
+
+
+def _local_expert_twins(mappings) -> list:
+    """Copies of the grouped-expert mappings under megatron-core's local-expert names, where none exists."""
+    named = {mapping.megatron_param for mapping in mappings}
+    twins = []
+    for mapping in mappings:
+        match = _GROUPED_EXPERT.match(mapping.megatron_param)
+        if match is None:
+            continue
+        local = f"{match['experts']}.local_experts.*.{match['linear']}.{match['kind']}"
+        if local in named:
+            continue
+        twin = copy.copy(mapping)
+        twin.megatron_param = local
+        twin._broadcast_obj_cache, twin._tensor_spec_output_cache = {}, {}
+        twins.append(twin)
+    return twins

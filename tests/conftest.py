@@ -26,3 +26,11 @@ def qwen3_configs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qwen3_configs")
     return {size: save_published_qwen3_config(root / size, size) for size in PUBLISHED_QWEN3}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_gpt_oss(tmp_path_factory):
+    """A tiny gpt-oss checkpoint folder (2 layers: sliding window 4, then full; 4 experts top-2 with biases; YaRN;
+    attention sinks; norms and biases at random values; vocab 512)."""
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("hf") / "gpt_oss", "gpt_oss", vocab_size=512, perturb=True,
+                               seed=11)

@@ -43,7 +43,7 @@ BAD = {              # name: (teacher, extra flags, expected fragment of the one
     "ep vs experts": ("moe", ["--ep", "3"], "expert_parallel=3 does not divide the model's 4 experts"),
     "pp vs layers": ("dense", ["--pp", "4"], "pipeline_parallel=4 exceeds the model's 2 layers"),
     "world vs tp x pp": ("dense", ["--tp", "2", "--pp", "2"], "world size 2 is not a multiple of --tp x --pp"),
-    "world vs ep": ("moe", ["--pp", "2", "--ep", "2"], "--ep=2 does not divide the data-parallel size 1"),
+    "world vs ep": ("moe", ["--pp", "2", "--ep", "2"], "world size 2 is not a multiple of --etp x --ep x --pp"),
     "tokenizer vocab": ("dense", ["--tokenizer", "{big_tokenizer}"], "has 1200 ids but the teacher's vocabulary"),
 }
 
@@ -68,7 +68,8 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
     out = {}
     for name, sizes in (("dense", dict(tensor_parallel=2)), ("moe", dict(expert_parallel=2))):
         provider = hf_model_provider(teachers[name], inference=True, **sizes)
-        init_distributed(provider.tensor_model_parallel_size, 1, provider.expert_model_parallel_size)
+        init_distributed(provider.tensor_model_parallel_size, 1, provider.expert_model_parallel_size,
+                         provider.expert_tensor_parallel_size)
         chunks = build_model(provider)
         chunks[0].eval()
         forward = TeacherForward(chunks, vocab_size=provider.vocab_size,

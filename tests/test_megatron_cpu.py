@@ -79,3 +79,22 @@ def test_gpt_model_tensor_parallel_matches_single_rank(tp):
         torch.testing.assert_close(embedding_grad, embedding_grad_1, rtol=0, atol=1e-5)
         torch.testing.assert_close(norm_grad, norm_grad_1, rtol=0, atol=1e-5)
     assert logits_1.shape == (BATCH, SEQ, VOCAB)
+
+
+def test_megatron_builds_its_own_attention_masks_on_cpu():
+    """megatron-core builds a sliding-window mask itself (gpt-oss's windowed layers ignore the mask passed in) with a
+    literal device="cuda"; with the CPU work-arounds it is a CPU tensor: True where query i may not see key j, i.e.
+    outside j in [i - left, i + right] (the band written independently here), on square and rectangular grids."""
+    from megatron.core.fusions import fused_softmax
+
+    from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
+
+    apply_cpu_workarounds()
+    for sq, skv, window in ((7, 7, (2, 0)), (5, 9, (3, 0)), (6, 6, (1, 1))):
+        mask = fused_softmax.get_sliding_window_causal_mask(sq, skv, window)
+        query = torch.arange(sq).view(-1, 1) + (skv - sq)                     # queries are the last sq keys
+        key = torch.arange(skv).view(1, -1)
+        visible = (key >= query - window[0]) & (key <= query + window[1])
+        assert mask.device.type == "cpu" and torch.equal(mask, ~visible), (sq, skv, window)
+    causal = fused_softmax.get_default_causal_mask(5)
+    assert causal.device.type == "cpu" and torch.equal(causal, torch.ones(5, 5, dtype=torch.bool).triu(1))

@@ -189,3 +189,17 @@ def test_plan_refuses_bad_input_with_one_line(capsys, qwen3_configs):
     assert "unknown recipe 'no_such_recipe'" in capsys.readouterr().err
     assert main(["--recipe", EIGHT_GPU, "--hf-path", str(qwen3_configs["1.7b"]), "--gpus", "12"]) == 2
     assert "gpus=12 is not a multiple of TP x CP x PP = 8" in capsys.readouterr().err
+
+
+def test_a_moe_student_at_an_expert_tp_megatron_refuses_gets_one_line_from_plan_and_train(capsys, tiny_hf_gpt_oss,
+                                                                                          tmp_path):
+    """gpt-oss's experts have biases, which megatron-core builds only at expert TP 1 (it asserts otherwise when the
+    model is set up): plan and train say so in one line before anything is built."""
+    from megatron_kd_plugin.commands import train
+
+    arguments = ["--recipe", "hf_student_kd_cpu_fp32_config", "--hf-path", str(tiny_hf_gpt_oss), "--seq-length", "16",
+                 f"dataset.cache_path={tmp_path / 'none.zarr'}", "model.expert_tensor_parallel_size=2"]
+    for command in (main, train.main):
+        assert command(arguments) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
+        assert len(errors) == 1 and "expert_tensor_parallel=2: the model's experts have biases" in errors[0], errors

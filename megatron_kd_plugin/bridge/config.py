@@ -20,6 +20,7 @@ from megatron_kd_plugin.bridge.context_parallel import check_cp_seq_length
 from megatron_kd_plugin.bridge.forward_step import check_no_mtp
 from megatron_kd_plugin.bridge.provider import TopKCacheDatasetProvider
 from megatron_kd_plugin.loss import KDLossOptions
+from megatron_kd_plugin.models.hf import check_expert_parallel
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,7 +52,9 @@ class KDConfigContainer(ConfigContainer):
 def check_kd_config(cfg: ConfigContainer) -> None:
     """What a KD run needs before step one; ValueError naming the offending value.
 
-    The loss options are valid; the model's parallel sizes divide the world; every store of the dataset is a
+    The loss options are valid; the model's parallel sizes divide the world, and a MoE student's expert sizes are
+    ones megatron-core builds (``models.hf.check_expert_parallel``: expert TP 1 where the experts have biases, the
+    experts' grid dividing the world); every store of the dataset is a
     finished cache whose rows fit the student (``TopKCacheDatasetProvider.row_kinds``: K, vocabulary, seq_length a
     multiple of the student's, which is the dataset's; the stores of a blend or ensemble together) and the loss
     options and parallelism (``RowKind.check``: e.g. a sampled store needs kd.tail='sampled', a cross-tokenizer
@@ -74,6 +77,7 @@ def check_kd_config(cfg: ConfigContainer) -> None:
                          " the KD step supports only None")
     check_no_mtp(model)
     check_parallel_sizes_divide_world(model)
+    check_expert_parallel(model, get_world_size_safe())   # megatron-core would assert it when the model is set up
     heal = cfg.checkpoint.pretrained_checkpoint is not None
     warned = {}                                          # each warning once, however many stores give it
     for kind in cfg.dataset.row_kinds(vocab_size=model.vocab_size).values():

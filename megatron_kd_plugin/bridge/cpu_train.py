@@ -51,8 +51,10 @@ class MasterPortInUse(ValueError):
     """The TCP port of ``MASTER_PORT`` (the user's choice) is taken on this machine."""
 
 
-def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
-    """gloo process group and megatron's parallel state, if not yet.
+def init_cpu_distributed(tensor_model_parallel_size: int, *, expert_model_parallel_size: int = 1,
+                         expert_tensor_parallel_size: int | None = None) -> None:
+    """gloo process group and megatron's parallel state, if not yet, at the model's TP, EP and expert TP (None:
+    megatron's default, TP, and not checked against an existing state): the sizes its provider was built with.
 
     Under torchrun (or with ``RANK``/``WORLD_SIZE`` set) the group comes from the environment, as torch's ``env://``
     reads it. A single process started without them needs no port: its group rendezvous in memory (a ``HashStore``),
@@ -76,11 +78,19 @@ def init_cpu_distributed(tensor_model_parallel_size: int) -> None:
                     "(another run on this machine?): set MASTER_PORT to a free port, or leave it unset for a single "
                     "process (it then needs none)") from None
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    initialized = parallel_state.get_tensor_model_parallel_world_size()
-    if initialized != tensor_model_parallel_size:
-        raise ValueError(f"model.tensor_model_parallel_size={tensor_model_parallel_size} but megatron's parallel "
-                         f"state was initialised with TP={initialized}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                                 expert_model_parallel_size=expert_model_parallel_size,
+                                                 expert_tensor_parallel_size=expert_tensor_parallel_size)
+    for name, wanted, initialized in (
+            ("tensor_model_parallel_size", tensor_model_parallel_size,
+             parallel_state.get_tensor_model_parallel_world_size()),
+            ("expert_model_parallel_size", expert_model_parallel_size,
+             parallel_state.get_expert_model_parallel_world_size()),
+            ("expert_tensor_parallel_size", expert_tensor_parallel_size,
+             parallel_state.get_expert_tensor_parallel_world_size())):
+        if wanted is not None and initialized != wanted:
+            raise ValueError(f"model.{name}={wanted} but megatron's parallel state was initialised with "
+                             f"{initialized}")
 
 
 def _reduce_report(reports: list[dict[str, torch.Tensor]], dp_group) -> dict[str, float]:
@@ -109,13 +119,34 @@ def _allreduce_replicated_grads_over_tp(model, config) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
+def _is_expert(param) -> bool:
+    """A MoE expert's parameter (megatron marks them ``allreduce=False``): this rank's experts only, reduced over
+    the expert data-parallel group, not the data-parallel one."""
+    return not getattr(param, "allreduce", True)
+
+
+def _average_grads_over_data_parallel(params, dp_size: int) -> None:
+    """What megatron-core's DDP does: sum each gradient over the ranks that hold the same parameter and saw other
+    data (the data-parallel group; for an expert's, the expert data-parallel group: the other EP ranks hold other
+    experts) and divide by the data-parallel size (an expert's gradient already sums the tokens of its EP group)."""
+    groups = {False: parallel_state.get_data_parallel_group(), True: parallel_state.get_expert_data_parallel_group()}
+    for param in params:
+        dist.all_reduce(param.grad, group=groups[_is_expert(param)])
+        param.grad /= dp_size
+
+
 def _clip_grad_norm(params, max_norm: float) -> float:
-    """Global L2 norm of the gradients (TP-duplicated parameters counted once), then scale them to ``max_norm``
-    if above (0: no clipping) — megatron-core's rule; its own functions allocate on "cuda"."""
-    squares = sum((p.grad.float() ** 2).sum() for p in params if param_is_not_tensor_parallel_duplicate(p))
-    squares = torch.as_tensor(squares, dtype=torch.float32)
-    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    norm = float(squares.sqrt())
+    """Global L2 norm of the gradients (TP-duplicated parameters counted once; experts' over the experts' TP x EP x
+    PP ranks, which hold different experts), then scale them to ``max_norm`` if above (0: no clipping) —
+    megatron-core's rule; its own functions allocate on "cuda"."""
+    expert_tp = parallel_state.get_expert_tensor_parallel_group()
+    squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p, expert_tp_group=expert_tp):
+            squares[_is_expert(p)] += (p.grad.float() ** 2).sum()
+    dist.all_reduce(squares[False], group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    norm = float((squares[False] + squares[True]).sqrt())
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1.0:
         for p in params:
@@ -141,7 +172,10 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         raise ValueError(f"checkpoint.pretrained_checkpoint={pretrained}: the CPU loop starts only from a Hugging "
                          "Face checkpoint folder (config.json + *.safetensors)")
     apply_cpu_workarounds()
-    init_cpu_distributed(cfg.model.tensor_model_parallel_size)
+    moe = bool(getattr(cfg.model, "num_moe_experts", None))            # a dense model has no expert sizes
+    init_cpu_distributed(cfg.model.tensor_model_parallel_size,
+                         expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+                         expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size if moe else None)
     runtime_config_update(cfg)   # Bridge's finalisation + cfg.validate(), which includes the KD checks
     state = GlobalState()
     state.cfg = cfg
@@ -184,9 +218,7 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
                                      current_microbatch=microbatch)
             backward_step(None, output, None, model_config)
             loss += output.detach()   # already divided by num_tokens and num_microbatches
-        for param in params:   # what DDP does: average gradients over data-parallel ranks
-            dist.all_reduce(param.grad, group=dp_group)
-            param.grad /= dp_size
+        _average_grads_over_data_parallel(params, dp_size)
         _allreduce_replicated_grads_over_tp(models[0], model_config)
         grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]

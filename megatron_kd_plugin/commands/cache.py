@@ -13,9 +13,11 @@ records the checkpoint's identity (architecture, name, hash of config and weight
 (the rows Megatron pads the output layer with are masked out).
 
 Parallelism (HF teachers): ``--tp``, ``--pp`` (forward only; the last stage takes the top-K and writes),
-``--ep`` (MoE teachers; experts split over data-parallel ranks as megatron-core's ``initialize_model_parallel``
-does, expert TP = TP) and data parallelism over the rest: world = TP x PP x DP, EP dividing DP. ``save_gpt`` and
-loader teachers take ``--tp`` and DP. A MoE teacher runs as in inference (no token dropping, no aux losses, no
+``--ep`` and ``--etp`` (MoE teachers: expert parallel and expert tensor parallel sizes; ``--etp`` defaults to what
+the model supports: 1 where its experts have biases, as gpt-oss's do, else megatron-core's default, TP) and data
+parallelism over the rest: world = TP x PP x DP for attention, and ETP x EP x PP dividing the world for the
+experts (megatron-core's ``initialize_model_parallel`` builds both grids). ``save_gpt`` and loader teachers take
+``--tp`` and DP. A MoE teacher runs as in inference (no token dropping, no aux losses, no
 MTP). Every setting is checked before the teacher is built. Rerunning the same command resumes a killed run;
 ``--overwrite`` replaces a store written with other settings; the same command plus ``--repair`` checks every
 written shard and rewrites the damaged ones (byte-identical to a clean run).
@@ -81,7 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="cache temperature")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (HF teachers)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE HF teachers; must divide DP)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE HF teachers)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE HF teachers; default: 1 "
+                   "where the experts have biases, e.g. gpt-oss, else --tp); --etp x --ep x --pp must divide the world")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="HF teacher parameter dtype (auto: the checkpoint's on a GPU, float32 without CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
@@ -139,21 +143,25 @@ def check_top_p(args) -> None:
         raise ValueError(f"--min-k={args.min_k}: expected 1 <= M <= --topk={args.slots} (the cap)")
 
 
-def check_world(world: int, *, tp: int, pp: int, ep: int) -> None:
-    """ValueError unless ``world`` ranks split as TP x PP x DP with EP dividing DP (megatron-core's rule)."""
-    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+def check_world(world: int, *, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
+    """ValueError unless ``world`` ranks split as megatron-core splits them: TP x PP x DP for attention and
+    ETP x EP x PP x expert-DP for the experts (``etp`` None: TP, megatron's default)."""
+    etp = tp if etp is None else etp
+    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp)):
         if size < 1:
             raise ValueError(f"{flag}={size}: expected >= 1")
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of --tp x --pp = {tp} x {pp}")
-    if (world // (tp * pp)) % ep:
-        raise ValueError(f"--ep={ep} does not divide the data-parallel size {world // (tp * pp)} "
-                         f"(world {world} / (--tp {tp} x --pp {pp})): experts are split over data-parallel ranks")
+    if world % (etp * ep * pp):
+        hint = "; --etp 1 folds the experts over the TP ranks" if etp > 1 and world % (ep * pp) == 0 else ""
+        raise ValueError(f"world size {world} is not a multiple of --etp x --ep x --pp = {etp} x {ep} x {pp} (the "
+                         f"experts' grid: expert TP x EP x PP x expert data parallel{hint})")
 
 
-def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
+def init_distributed(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None) -> bool:
     """Process group from torchrun's environment (a single process without it), unless one exists; then megatron's
-    parallel_state with these sizes (:func:`check_world` them first). True when this call created the group."""
+    parallel_state with these sizes (:func:`check_world` them first; ``etp`` None: TP, megatron's default). True when
+    this call created the group."""
     from megatron.core import parallel_state
 
     from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
@@ -171,7 +179,7 @@ def init_distributed(tp: int, pp: int = 1, ep: int = 1) -> bool:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     return created
 
 
@@ -217,7 +225,8 @@ def hf_teacher(args):
         dtype = torch.float32 if not torch.cuda.is_available() else \
             DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.bfloat16)
     provider = hf_model_provider(args.teacher, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                                 expert_parallel=args.ep, dtype=dtype, inference=True)
+                                 expert_parallel=args.ep, expert_tensor_parallel=args.etp, dtype=dtype,
+                                 inference=True)
     longest = config.get("max_position_embeddings")
     if longest and args.seq_length > longest:
         raise ValueError(f"--seq-length={args.seq_length} exceeds the teacher's max_position_embeddings={longest}")
@@ -243,16 +252,18 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
                          "Face checkpoint folder takes --pp)")
-    if kind != "hf" and args.ep != 1:
-        raise ValueError(f"--ep={args.ep}: expert parallelism needs a MoE Hugging Face teacher")
-    tokenizer = args.tokenizer
+    if kind != "hf" and (args.ep != 1 or args.etp is not None):
+        flag = f"--ep={args.ep}" if args.ep != 1 else f"--etp={args.etp}"
+        raise ValueError(f"{flag}: expert parallelism needs a MoE Hugging Face teacher")
+    tokenizer, etp = args.tokenizer, None
     if kind == "hf":
         provider, vocab_size, identity, tokenizer = hf_teacher(args)
+        etp = provider.expert_tensor_parallel_size            # the provider and parallel_state: the same sizes
     check_world(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")),
-                tp=args.tp, pp=args.pp, ep=args.ep)
+                tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
     source = open_source(args.data, args.seq_length, tokenizer=tokenizer, num_samples=args.num_samples,
                          text_key=args.text_key)
-    created = init_distributed(args.tp, args.pp, args.ep)
+    created = init_distributed(args.tp, args.pp, args.ep, etp)
     try:
         share_summary(source)              # one pass over the data, on rank 0 only
         if kind == "hf":

@@ -295,6 +295,7 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
 
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
+    from megatron_kd_plugin.models.hf import check_expert_parallel
 
     cfg = copy.deepcopy(cfg)
     model = cfg.model
@@ -303,6 +304,7 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     gpus = gpus or model_parallel
     if gpus % model_parallel:
         raise ValueError(f"gpus={gpus} is not a multiple of TP x CP x PP = {model_parallel}")
+    check_expert_parallel(model, gpus)   # a MoE student at expert sizes megatron-core would refuse: one line
     cfg.data_parallel_size = gpus // model_parallel   # Bridge sets it at run time from the world size
     estimate = estimate_training_memory(cfg, num_microbatches=num_microbatches, include_activation=False)
     a = _activation_bytes(cfg)

@@ -10,8 +10,8 @@ and the requested parallel sizes allow is checked from ``config.json`` before an
 naming the offending value. Without CUDA the provider gets ``cpu_compat.cpu_model_settings()`` (local layers,
 fusions off, CPU initialisation, allgather MoE dispatcher, no grouped GEMM) and must be float32.
 
-Vocabulary: the provider pads it as Megatron training does (``make_vocab_size_divisible_by`` × TP, the padded
-rows' weights are zeros); ``provider.vocab_size`` stays the checkpoint's true size, :func:`padded_vocab_size` is
+Vocabulary: under TP the provider pads it as Megatron training does (``make_vocab_size_divisible_by`` × TP, the
+padded rows' weights are zeros); ``provider.vocab_size`` stays the checkpoint's true size, :func:`padded_vocab_size` is
 what the output layer holds. Rows at and above the true size are not the model's: callers mask them.
 """
 
@@ -62,12 +62,13 @@ def architecture(config: dict) -> str:
     return names[0]
 
 
-def check_parallel_sizes(config: dict, *, tensor_parallel: int, pipeline_parallel: int,
-                         expert_parallel: int) -> None:
-    """ValueError (one line) unless the model in ``config`` splits over the requested parallel sizes."""
+def check_parallel_sizes(config: dict, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
+                         expert_tensor_parallel: int | None = None) -> None:
+    """ValueError (one line) unless the model in ``config`` splits over the requested parallel sizes
+    (``expert_tensor_parallel`` None: the model's choice, see :func:`expert_tensor_parallel_size`)."""
     for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
-                       ("expert_parallel", expert_parallel)):
-        if size < 1:
+                       ("expert_parallel", expert_parallel), ("expert_tensor_parallel", expert_tensor_parallel)):
+        if size is not None and size < 1:
             raise ValueError(f"{name}={size}: expected >= 1")
     heads = config.get("num_attention_heads")
     groups = config.get("num_key_value_heads") or heads
@@ -80,8 +81,9 @@ def check_parallel_sizes(config: dict, *, tensor_parallel: int, pipeline_paralle
         raise ValueError(f"pipeline_parallel={pipeline_parallel} exceeds the model's {layers} layers")
     experts = next((config[key] for key in ("num_experts", "num_local_experts", "n_routed_experts")
                     if config.get(key)), None)
-    if expert_parallel > 1 and experts is None:
-        raise ValueError(f"expert_parallel={expert_parallel} but the model has no experts (not a MoE model)")
+    for name, size in (("expert_parallel", expert_parallel), ("expert_tensor_parallel", expert_tensor_parallel)):
+        if size is not None and size > 1 and experts is None:
+            raise ValueError(f"{name}={size} but the model has no experts (not a MoE model)")
     if experts is not None and experts % expert_parallel:
         raise ValueError(f"expert_parallel={expert_parallel} does not divide the model's {experts} experts")
 
@@ -102,6 +104,9 @@ def _auto_bridge(folder, dtype: torch.dtype):
     import megatron.bridge
     from megatron.bridge import AutoBridge
 
+    from megatron_kd_plugin.cpu_compat import bridge_local_expert_mappings
+
+    bridge_local_expert_mappings()
     if not AutoBridge.can_handle(str(folder)):
         name = architecture(read_hf_config(folder))
         raise ValueError(f"{folder}: architecture {name} is not one Megatron-Bridge {megatron.bridge.__version__} "
@@ -111,16 +116,19 @@ def _auto_bridge(folder, dtype: torch.dtype):
 
 
 def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-                      load_weights: bool = True, dtype: torch.dtype = torch.float32, inference: bool = False):
+                      expert_tensor_parallel: int | None = None, load_weights: bool = True,
+                      dtype: torch.dtype = torch.float32, inference: bool = False):
     """A finalized ``GPTModelProvider`` of the HF checkpoint at ``folder`` for the given parallel sizes.
 
     ``load_weights``: the checkpoint's weights are loaded when the model is built (else random init).
     ``dtype``: parameter dtype (float32 only without CUDA). ``inference``: dropout off, and for MoE models no
     token dropping (no capacity factor), no load-balancing/z losses, MTP heads not built — a teacher's forward.
-    Expert tensor parallelism is megatron's default (= ``tensor_parallel``). A ``pipeline_parallel`` that does not
-    divide the layers gets megatron's uneven first/last stages (:func:`pipeline_split`). Raises ValueError (one
-    line) for a folder without config or weights, an architecture Bridge does not convert, and sizes the model
-    cannot split over; nothing heavy is loaded before these checks.
+    ``expert_tensor_parallel`` (MoE models): the experts' own TP size; None picks what the model supports
+    (:func:`expert_tensor_parallel_size`); megatron's ``parallel_state`` must then be built with the provider's
+    ``expert_tensor_parallel_size``. A ``pipeline_parallel`` that does not divide the layers gets megatron's uneven
+    first/last stages (:func:`pipeline_split`). Raises ValueError (one line) for a folder without config or weights,
+    an architecture Bridge does not convert, and sizes the model cannot split over (megatron-core's own refusals
+    included); nothing heavy is loaded before these checks (the weights load when the model is built).
     """
     from megatron_kd_plugin.cpu_compat import cpu_model_settings, cuda_absent
 
@@ -130,25 +138,70 @@ def hf_model_provider(folder, *, tensor_parallel: int = 1, pipeline_parallel: in
     if load_weights:
         weight_files(folder)
     check_parallel_sizes(config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                         expert_parallel=expert_parallel)
+                         expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)
     if dtype != torch.float32 and cuda_absent():
         raise ValueError(f"dtype={dtype}: without CUDA the model runs in torch.float32")
     provider = _auto_bridge(folder, dtype).to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = tensor_parallel
     provider.pipeline_model_parallel_size = pipeline_parallel
     provider.expert_model_parallel_size = expert_parallel
+    provider.expert_tensor_parallel_size = expert_tensor_parallel_size(provider, expert_tensor_parallel)
     split = pipeline_split(provider.num_layers, pipeline_parallel)
     if split is not None:
         provider.num_layers_in_first_pipeline_stage, provider.num_layers_in_last_pipeline_stage = split
-    provider.should_pad_vocab = True
+    # padded as Megatron training pads it, for TP; at TP=1 there is nothing to split, and Bridge 0.6.2 loads the
+    # embedding at TP=1 without padding it (a vocabulary that is no multiple of make_vocab_size_divisible_by, e.g.
+    # DeepSeek-V3's 1280 at a tiny size, fails with a shape mismatch)
+    provider.should_pad_vocab = tensor_parallel > 1
     provider.params_dtype = provider.pipeline_dtype = dtype
     provider.bf16, provider.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     if inference:
         set_inference_mode(provider)
     for name, value in cpu_model_settings().items():
         setattr(provider, name, value)
-    provider.finalize()
+    try:
+        provider.finalize()
+    except AssertionError as exc:           # megatron-core asserts what it cannot build: one line, not a traceback
+        first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+        raise ValueError(f"{folder}: megatron-core refuses this model at tensor_parallel={tensor_parallel}, "
+                         f"pipeline_parallel={pipeline_parallel}, expert_parallel={expert_parallel}, "
+                         f"expert_tensor_parallel={provider.expert_tensor_parallel_size}: {first}") from None
     return provider
+
+
+def expert_tensor_parallel_size(provider, requested: int | None) -> int:
+    """The experts' tensor-parallel size for the (not yet finalized) ``provider``, whose ``tensor_model_parallel_size``
+    is set: ``requested``, checked, or what the model supports: 1 when its experts have biases (gpt-oss: megatron-core
+    supports MoE biases only at expert TP 1), else megatron-core's default, the attention's TP. A dense model: TP
+    (megatron's default; no layer uses it). ValueError (one line) for a size the model cannot take."""
+    tensor_parallel = provider.tensor_model_parallel_size
+    if not getattr(provider, "num_moe_experts", None):
+        return tensor_parallel
+    biased = bool(provider.add_bias_linear)
+    if requested is None:
+        return 1 if biased else tensor_parallel
+    if biased and requested != 1:
+        raise ValueError(f"expert_tensor_parallel={requested}: the model's experts have biases, which megatron-core "
+                         "supports only at expert_tensor_parallel=1")
+    width = provider.moe_ffn_hidden_size or provider.ffn_hidden_size
+    if width % requested:
+        raise ValueError(f"expert_tensor_parallel={requested} does not divide the experts' FFN width {width}")
+    return requested
+
+
+def check_expert_parallel(model, world: int | None = None) -> None:
+    """ValueError (one line) unless megatron-core can build ``model`` (a provider, e.g. a recipe's ``cfg.model``
+    after overrides) at its expert sizes: :func:`expert_tensor_parallel_size`'s rules, and with ``world`` (the
+    run's ranks or GPUs) the experts' grid, expert TP x EP x PP, dividing it. A dense model passes."""
+    if not getattr(model, "num_moe_experts", None):
+        return
+    etp = expert_tensor_parallel_size(model, model.expert_tensor_parallel_size or model.tensor_model_parallel_size)
+    grid = etp * model.expert_model_parallel_size * model.pipeline_model_parallel_size
+    if world is not None and world % grid:
+        raise ValueError(f"model.expert_tensor_parallel_size={etp} x model.expert_model_parallel_size="
+                         f"{model.expert_model_parallel_size} x model.pipeline_model_parallel_size="
+                         f"{model.pipeline_model_parallel_size} = {grid} does not divide the world size {world} "
+                         "(megatron-core's experts' grid)")
 
 
 def set_inference_mode(provider) -> None:
