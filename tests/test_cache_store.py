@@ -775,10 +775,12 @@ def rewrite_in_version(store, version: int) -> None:
     old.attrs.update(complete=True)
 
 
-@pytest.mark.parametrize("version", [2, 3])
-def test_older_versions_read_and_are_rewritten_only_with_overwrite(tmp_path, version):
-    """Issue 37: stores of the layouts before version 5 ("/" keys, a shard_done array) keep reading, row for row."""
-    write(tmp_path / "c", logprob_codec="fp16-bitround7")         # version 2 stores predate the grid codec
+@pytest.mark.parametrize("version,options", [(2, {}), (3, {}), (4, dict(top_p=0.9, min_k=2))])
+def test_older_versions_read_and_are_rewritten_only_with_overwrite(tmp_path, version, options):
+    """Issue 37: stores of the layouts before version 5 ("/" keys, a shard_done array) keep reading, row for row
+    (version 4: the top-p stores)."""
+    options = dict(logprob_codec="fp16-bitround7") | options      # version 2 stores predate the grid codec
+    write(tmp_path / "c", **options)
     expected = [TopKCacheReader(tmp_path / "c")[i] for i in range(N)]
     rewrite_in_version(tmp_path / "c", version)
     assert (tmp_path / "c" / fmt.IDS / "c" / "1" / "0" / "0").is_file() and (tmp_path / "c" / fmt.SHARD_DONE).is_dir()
@@ -792,8 +794,8 @@ def test_older_versions_read_and_are_rewritten_only_with_overwrite(tmp_path, ver
 
     assert inspect_main([str(tmp_path / "c"), "--verify", "--workers", "1"]) == 0
     with pytest.raises(ValueError, match=f"version: requested {fmt.FORMAT_VERSION}, on disk {version}"):
-        write(tmp_path / "c", logprob_codec="fp16-bitround7")
-    write(tmp_path / "c", overwrite=True)
+        write(tmp_path / "c", **options)
+    write(tmp_path / "c", overwrite=True, **options)
     assert TopKCacheReader(tmp_path / "c").group.attrs["version"] == fmt.FORMAT_VERSION
 
 
