@@ -224,7 +224,7 @@ def run_variant(args, variant: str, seq: int) -> dict:
     start = time.perf_counter()
     model = loss = None
     try:
-        model = _build_student(args, seq, dtype)
+        model = _build_student(args, seq, dtype).to(device)   # megatron-core's torch-norm fallback builds on CPU
         loss = model(tokens, position_ids, None, output_processor=_loss_processor(variant, args.chunk_bytes),
                      output_processor_context=context)
         loss.backward()

@@ -5,6 +5,7 @@
 #   bash tools/gpu_check.sh               on the GPU machine, with tools/wheels/ carried beside the checkout
 #   bash tools/gpu_check.sh --preflight   the preflight alone (seconds)
 #   bash tools/gpu_check.sh --budget loss=3 [--budget ...]   a stage's budget in seconds (the rehearsal's cut)
+#   bash tools/gpu_check.sh --only step,tests                 these stages alone (a rerun of what failed or was cut)
 # The exact call on a lent machine (the device tool's run, what it carries, its timeout) is written once, in
 # CONTRIBUTING.md ("A lent GPU machine").
 #
@@ -86,13 +87,17 @@ if [ "${1:-}" = "--download" ]; then
   exit 0
 fi
 preflight_only=false
+only=correctness,loss,step,student,tests
 while [ $# -gt 0 ]; do
   case $1 in
     --preflight) preflight_only=true;;
     --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|tests)=[0-9]+$ ]] ||
                 { echo "error: --budget takes STAGE=SECONDS (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
               budget_s[${2%%=*}]=${2#*=}; shift;;
-    *) echo "error: unknown argument '$1' (--download, --preflight, --budget STAGE=SECONDS)"; exit 2;;
+    --only) [[ ${2:-} =~ ^((correctness|loss|step|student|tests),?)+$ ]] ||
+              { echo "error: --only takes STAGE[,STAGE...] (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
+            only=$2; shift;;
+    *) echo "error: unknown argument '$1' (--download, --preflight, --budget STAGE=SECONDS, --only STAGES)"; exit 2;;
   esac
   shift
 done
@@ -168,6 +173,7 @@ failed=()
 run_stage() {  # run_stage NAME CMD...: figure lines ("| ..." and "result: ...") into the summary as they come
   local name=$1 limit=${budget_s[$1]} log=$out/$1.log rc begun finished last
   shift
+  [[ ,$only, == *,$name,* ]] || return 0
   begun=$(date +%s)
   say ""
   say "## $name (at $(elapsed) s, budget $limit s)"
