@@ -12,7 +12,12 @@ Memory traffic per chunk (the [c, Vp] logits dominate everything else):
                         overwritten; (2) the dense term over the whole chunk, in place, in the logits' dtype;
                         (3) the [c, J] values stored at their ids (equal ids store equal values, so races are benign).
 All math is fp32; results are written in the logits' dtype (bf16 on GPU) so they feed the dX = G W and dW = Gᵀ X
-cuBLAS products directly.
+cuBLAS products directly. Compiled without floating-point contraction (``enable_fp_fusion=False``): u = x * scale is
+rounded once, the same way in every kernel and in the row max M it is compared with, so exp(u - M) = 1 at the max.
+Contracted, exp(fma(x, scale, -M)) kept the product's rounding error (4.3e-6 at x = 200, tau = 1.3) while M and the
+gathered values had lost it: the dense term the grad kernel writes at a support id no longer cancelled the one the
+loss subtracts there (``chunk_backends.TritonChunks.coefs``), and a saturated fp32 row's dW erred by 3.6e-4 of its
+largest entry on the H200 (tests/loss_triton_checks.py's saturated case; the interpreter never contracts).
 
 The kernels are jitted on first use, not at import, each way once: compiled (autotuned over a few BLOCK_V keyed by
 Vp) or, under ``TRITON_INTERPRET=1``, interpreted with one small tile config. The interpreter also needs
@@ -143,12 +148,12 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                                "triton (megatron-core does at import), e.g. in the environment of a fresh process")
         return SimpleNamespace(row_stats=jit(_row_stats), dense_grad=jit(_dense_grad),
                                grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
-                               fixed={"BLOCK_V": 32}, min_span=48, target_programs=1 << 30, block_j=32)
+                               fixed={"BLOCK_V": 32}, min_span=48, target_programs=1 << 30, block_j=32, options={})
     return SimpleNamespace(
         row_stats=triton.autotune(_STATS_CONFIGS, key=["Vp"])(jit(_row_stats)),
         dense_grad=triton.autotune(_GRAD_CONFIGS, key=["Vp"], restore_value=["logits_ptr"])(jit(_dense_grad)),
         grad_at_ids=jit(_grad_at_ids), scatter_at_ids=jit(_scatter_at_ids),
-        fixed={}, min_span=8192, target_programs=4 * _num_sms(), block_j=64)
+        fixed={}, min_span=8192, target_programs=4 * _num_sms(), block_j=64, options={"enable_fp_fusion": False})
 
 
 def _num_sms() -> int:
@@ -179,7 +184,7 @@ def chunk_row_stats(logits: torch.Tensor, ids: torch.Tensor, scale: float,
     if c > 0:
         k.row_stats[(c, n_splits)](logits, ids, exclude, part_max, part_sum, gathered, Vp, J, exclude.shape[1], span,
                                    n_splits, logits.stride(0), ids.stride(0), exclude.stride(0), float(scale),
-                                   HAS_EXCLUDE=has_exclude, BLOCK_J=k.block_j, **k.fixed)
+                                   HAS_EXCLUDE=has_exclude, BLOCK_J=k.block_j, **k.fixed, **k.options)
     if n_splits == 1:
         return part_max[:, 0], part_sum[:, 0], gathered
     row_max = part_max.amax(dim=1)  # [c]
@@ -201,9 +206,11 @@ def chunk_logit_grad_(logits: torch.Tensor, lse: torch.Tensor, dense_coef: torch
     j_grid = (c, triton.cdiv(J, k.block_j))
     if J > 0:
         k.grad_at_ids[j_grid](logits, ids, sparse_coef, lse, dense_coef, ce_lse, ce_coef, at_ids, J,
-                              logits.stride(0), ids.stride(0), float(scale), HAS_CE=has_ce, BLOCK_J=k.block_j)
+                              logits.stride(0), ids.stride(0), float(scale), HAS_CE=has_ce, BLOCK_J=k.block_j,
+                              **k.options)
     k.dense_grad[lambda meta: (c, triton.cdiv(Vp, meta["BLOCK_V"]))](
-        logits, lse, dense_coef, ce_lse, ce_coef, Vp, logits.stride(0), float(scale), HAS_CE=has_ce, **k.fixed)
+        logits, lse, dense_coef, ce_lse, ce_coef, Vp, logits.stride(0), float(scale), HAS_CE=has_ce, **k.fixed,
+        **k.options)
     if J > 0:
         k.scatter_at_ids[j_grid](logits, ids, at_ids, J, logits.stride(0), ids.stride(0), BLOCK_J=k.block_j)
     return logits
