@@ -274,8 +274,43 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
     assert "mode: sampled, N=16 draws per token, proposal temperature 1.5" in capsys.readouterr().out
 
 
+def test_head_and_draws_store_holds_the_exact_head_then_draws_of_the_rest(teacher_and_data, capsys):
+    """``--head 3 --draws 12`` (one process): each row's first 3 slots are the float64 reference's top-3, the 12 draws
+    lie outside them with their full-vocab log-probs, the rows read as a SampledTeacher whose weights sum to 1."""
+    from megatron_kd_plugin.cache.row_kinds import row_kind
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
+    from megatron_kd_plugin.loss import SampledTeacher
+
+    work, tokens, logprobs = teacher_and_data
+    output, head, n = work / "head_draws.zarr", 3, 12
+    command = [arg for arg in _cache_command(work / "teacher", str(work / "data"), output, "--num-samples", "4",
+                                             "--logprob-codec", "fp32") if arg not in ("--topk", str(K))]
+    result = subprocess.run(command + ["--head", str(head), "--draws", str(n)], env=_env(1), capture_output=True,
+                            text=True, timeout=scaled(600))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sampled N=12 after the top-3" in result.stdout
+    reader = TopKCacheReader(output)
+    assert reader.spec.head == head and reader.spec.k == head + n
+    for i in range(4):
+        sample, ref = reader[i], logprobs[i]                                           # ref: float64 [S, V]
+        top = torch.sort(ref, dim=-1, descending=True, stable=True).indices[:, :head].sort(dim=-1).values
+        assert torch.equal(sample["teacher_ids"][:, :head], top)
+        assert not (sample["teacher_ids"][:, head:, None] == top[:, None, :]).any()
+        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, sample["teacher_ids"]),
+                                   atol=2e-5, rtol=0)
+        torch.testing.assert_close(sample["teacher_draw_weights"].sum(-1), torch.ones(S), atol=1e-5, rtol=0)
+    teacher = row_kind(reader, seq_length=S).row(0, 0).teacher
+    assert isinstance(teacher, SampledTeacher)
+    torch.testing.assert_close(teacher.weights, reader[0]["teacher_draw_weights"])
+    assert inspect_main([str(output), "--samples", "4"]) == 0
+    assert "mode: head + draws, the top-3 ids then N=12 draws from the rest per token" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--topk", "4", "--draws", "8"], "exclude each other"),
+    (["--head", "4"], "only apply to a sampled store"),
+    (["--draws", "8", "--head", "0"], "--head=0"),
+    (["--draws", "8", "--head", "2", "--proposal-temperature", "2"], "follow the teacher itself"),
     (["--proposal-temperature", "2"], "only apply to a sampled store"),
     (["--draws", "0"], "--draws=0"),
     (["--draws", "8", "--proposal-temperature", "-1"], "expected > 0"),

@@ -135,6 +135,8 @@ holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
 READ_VERSIONS = (2, 3, 4, 5)
 TOP_P_FIELDS = ("top_p", "min_k")
 """The :class:`CacheSpec` fields of a top-p store; absent from the attributes and the identity of other stores."""
+HEAD_FIELDS = ("head",)
+"""The :class:`CacheSpec` fields of a head + draws store; absent from the attributes and the identity of others."""
 
 TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
     "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
@@ -249,6 +251,9 @@ class CacheSpec:
     padding (log-prob -inf, id 0, first in the row). None: every row holds its top-K."""
     min_k: int | None = None
     """The least number of ids a top-p store keeps per token (``--min-k``, 1 <= min_k <= k); None without top_p."""
+    head: int = 0
+    """Head + draws (``--head H --draws N``, mode "sampled", k = H + N): per token the exact top-H ids first, then N
+    ids drawn from the teacher restricted to the rest of the vocabulary (``head_draws.py``). 0: draws only."""
 
     def __post_init__(self):
         if self.samples_per_shard is None and isinstance(self.seq_length, int) and self.seq_length >= 1:
@@ -275,6 +280,13 @@ class CacheSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logprob_codec not in LOGPROB_CODECS:
             raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
+        if self.head:
+            if self.mode != "sampled" or self.proposal_temperature != 1.0:
+                raise ValueError(f"head={self.head} applies to a store of draws at proposal temperature 1 (mode "
+                                 f"'sampled'), not mode={self.mode!r} at t={self.proposal_temperature}")
+            if not 1 <= self.head < min(self.k, self.vocab_size):
+                raise ValueError(f"head={self.head}: expected 1 <= head < k={self.k} (k = head + draws) and < "
+                                 f"vocab_size={self.vocab_size}")
         if self.top_p is None and self.min_k is not None:
             raise ValueError(f"min_k={self.min_k} applies to a top-p store only (set top_p)")
         if self.top_p is not None:
@@ -307,9 +319,10 @@ class CacheSpec:
         return FORMAT_VERSION
 
     def described(self) -> dict[str, Any]:
-        """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store."""
-        fields = dataclasses.asdict(self)
-        return fields if self.top_p is not None else {k: v for k, v in fields.items() if k not in TOP_P_FIELDS}
+        """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store, the
+        head ones (:data:`HEAD_FIELDS`) only for a head + draws store."""
+        absent = (TOP_P_FIELDS if self.top_p is None else ()) + (HEAD_FIELDS if not self.head else ())
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in absent}
 
     @property
     def cross_tokenizer(self) -> bool:

@@ -5,14 +5,15 @@ The store holds, per cached sample, the tokens and N drawn ids [S_c, N] (sorted,
 log-prob of each, and, when the proposal temperature t != 1, each token's proposal log-normaliser G [S_c]
 (``format.py``, ``draws.py``). A row is a window as in ``topk_rows`` whose teacher is a ``SampledTeacher``: the ids,
 their log-probs and the importance weights w = (1/N) exp(l (1 - 1/t) + G) computed from them
-(``draws.draw_weights``). Its loss is the top-K loss with ``tail="sampled"`` (forward KL at tau = 1), an unbiased
+(``draws.draw_weights``); a head + draws store's rows start with the exact top-H, weighed by their probabilities
+(``head_draws.py``). Its loss is the top-K loss with ``tail="sampled"`` (forward KL at tau = 1), an unbiased
 estimate of the full-vocab KL.
 """
 
 from __future__ import annotations
 
 from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.draws import draw_weights
+from megatron_kd_plugin.cache.head_draws import stored_draw_weights
 from megatron_kd_plugin.cache.rows import KDRow, window_row
 from megatron_kd_plugin.cache.topk_rows import TopKRows
 from megatron_kd_plugin.loss import KDLossOptions, SampledTeacher
@@ -41,5 +42,5 @@ class SampledRows(TopKRows):
         spec = self.reader.spec
         names = (fmt.IDS, fmt.LOGPROBS) + ((fmt.PROPOSAL_LOGNORM,) if spec.stores_proposal_lognorm else ())
         tokens, rows = self._window(sample, window, names)
-        weights = draw_weights(rows[fmt.LOGPROBS].float(), rows.get(fmt.PROPOSAL_LOGNORM), spec.proposal_temperature)
+        weights = stored_draw_weights(spec, rows[fmt.LOGPROBS].float(), rows.get(fmt.PROPOSAL_LOGNORM))
         return window_row(tokens, SampledTeacher(rows[fmt.IDS], rows[fmt.LOGPROBS], weights))

@@ -45,6 +45,7 @@ from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.draws import draw_uniforms, vocab_parallel_draws
+from megatron_kd_plugin.cache.head_draws import vocab_parallel_head_draws
 from megatron_kd_plugin.cache.topk import top_p_mask, vocab_parallel_label_logprobs, vocab_parallel_topk
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -212,9 +213,17 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
 def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
                  labels: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of logits ``[s, b, V/tp]``
-    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws; and,
+    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws (after
+    the sorted head, with one: ``head_draws.py``); and,
     for a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
-    if spec.mode == "sampled":
+    if spec.head:
+        s, b = logits.shape[:2]
+        uniforms = draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k - spec.head)
+        head_draws = vocab_parallel_head_draws(logits, uniforms, spec.head, temperature=spec.temperature,
+                                               tp_group=tp_group)
+        rows = {fmt.IDS: head_draws.ids, fmt.LOGPROBS: head_draws.logprobs, fmt.LOGSUMEXP: head_draws.logsumexp}
+        finite = head_draws.finite
+    elif spec.mode == "sampled":
         s, b = logits.shape[:2]
         draw = vocab_parallel_draws(logits, draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
                                      temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
@@ -391,14 +400,15 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                 temperature: float = 1.0, logprob_codec: str | None = None,
                 samples_per_shard: int | None = None, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                top_p: float | None = None, min_k: int | None = None, overwrite: bool = False,
+                top_p: float | None = None, min_k: int | None = None, head: int = 0, overwrite: bool = False,
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 on_shard_written: Callable[[int], None] = lambda shards_written: None,
                 vocab_table=None) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
-    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``).
+    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``); with
+    ``head`` > 0, the top-``head`` ids then ``k - head`` draws from the rest (``head_draws.py``).
     ``top_p`` (with ``min_k``, default 1) keeps per token the smallest set of its top-``k`` ids whose mass reaches
     ``top_p``, at least ``min_k`` of them; the other slots are padding (``format.CacheSpec.top_p``).
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
@@ -427,7 +437,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
                          proposal_temperature=proposal_temperature, sample_seed=sample_seed,
                          vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes), top_p=top_p,
-                         min_k=min_k if min_k is not None or top_p is None else 1)
+                         min_k=min_k if min_k is not None or top_p is None else 1, head=head)
     check_vocab(source, vocab_size)
     if vocab_table is not None and len(vocab_table.offsets) != vocab_size + 1:
         raise ValueError(f"the teacher tokenizer's byte table covers {len(vocab_table.offsets) - 1} ids, the teacher's "

@@ -28,7 +28,9 @@ round-trip through the byte table first.
 
 ``--draws N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--draw-seed`` and the sample index (the
-same draws at any TP/DP size and after a resume).
+same draws at any TP/DP size and after a resume). ``--head H --draws N`` keeps per token the exact top-H ids and
+draws the N from the rest of the distribution (issue #40, ``cache/head_draws.py``: the head exact, the tail's
+estimate unbiased).
 
 ``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
 ``--logits-save-top-p-min-k``) keeps per token the smallest set of its highest-probability ids whose mass reaches
@@ -77,6 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the least number of ids a top-p store keeps per token (default 1; only with --top-p)")
     p.add_argument("--draws", type=int, default=None, metavar="N",
                    help="write a sampled store of N draws per token instead of the top-K")
+    p.add_argument("--head", type=int, default=None, metavar="H",
+                   help="with --draws N: the exact top-H ids per token first, then N draws from the rest of the "
+                        "distribution (H + N slots; default 0: draws from the whole distribution)")
     p.add_argument("--proposal-temperature", type=float, default=None,
                    help="t of the sampled store's proposal q ~ p^(1/t) (default 1; only with --draws)")
     p.add_argument("--draw-seed", type=int, default=None, help="seed of the draws (default 0; only with --draws)")
@@ -107,17 +112,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.draws is None:
         extra = [flag for flag, value in (("--proposal-temperature", args.proposal_temperature),
-                                          ("--draw-seed", args.draw_seed)) if value is not None]
+                                          ("--draw-seed", args.draw_seed), ("--head", args.head)) if value is not None]
         if extra:
             p.error(f"{' and '.join(extra)} only apply to a sampled store: add --draws N")
         args.mode, args.slots = "topk", 100 if args.topk is None else args.topk
     else:
         if args.topk is not None:
             p.error("--topk and --draws exclude each other: a store holds the top-K or N draws per token")
-        args.mode, args.slots = "sampled", args.draws
-    for flag, value in (("--topk", args.topk), ("--draws", args.draws)):
+        args.mode, args.slots = "sampled", args.draws + (args.head or 0)
+    for flag, value in (("--topk", args.topk), ("--draws", args.draws), ("--head", args.head)):
         if value is not None and value < 1:
             p.error(f"{flag}={value}: expected >= 1")
+    if args.head is not None and args.proposal_temperature not in (None, 1.0):
+        p.error(f"--head with --proposal-temperature={args.proposal_temperature}: the draws beside a head follow the "
+                "teacher itself (t = 1); drop one of them")
     if args.proposal_temperature is not None and not args.proposal_temperature > 0:
         p.error(f"--proposal-temperature={args.proposal_temperature}: expected > 0")
     if args.logprob_codec is not None:
@@ -291,7 +299,8 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
             samples_per_shard=args.samples_per_shard, store_logsumexp=args.store_logsumexp,
             micro_batch_size=args.micro_batch_size, mode=args.mode,
             proposal_temperature=1.0 if args.proposal_temperature is None else args.proposal_temperature,
-            sample_seed=args.draw_seed or 0, top_p=args.top_p, min_k=args.min_k, overwrite=args.overwrite,
+            sample_seed=args.draw_seed or 0, top_p=args.top_p, min_k=args.min_k, head=args.head or 0,
+            overwrite=args.overwrite,
             repair=args.repair,
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
@@ -328,7 +337,8 @@ def report(args, source, stats) -> None:
     """The run's summary lines (printed by the first writer of the last pipeline stage)."""
     stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
     tokens = len(source) * source.seq_length
-    slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.slots}"
+    slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.draws}"
+    slots += f" after the top-{args.head}" if args.head else ""
     slots += f", top-p {args.top_p} (min-k {args.min_k})" if args.top_p is not None else ""
     print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
           f"{stored / tokens:.1f} bytes/token on disk", flush=True)

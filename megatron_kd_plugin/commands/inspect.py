@@ -91,6 +91,8 @@ def describe(path, samples: int = 256, check: bool = False,
         f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
     if spec.top_p is not None:
         slots = f"top-p, P={spec.top_p}, min-k={spec.min_k}, at most K={spec.k} ids per token (the rest padding)"
+    if spec.head:
+        slots = f"head + draws, the top-{spec.head} ids then N={spec.k - spec.head} draws from the rest per token"
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
     lines += [f"warning: {warning.message}" for warning in caught]
     missing = files.missing_samples()
