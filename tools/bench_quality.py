@@ -21,8 +21,11 @@ differing only in their loss:
                   the preset's top-K, min-k 1, TP=2): per token the fewest top ids whose mass reaches P, P in
                   {0.9, 0.99, 0.999}
     eqtoppP       top-K ghost with the largest K whose store takes no more bytes per token than toppP's (as eqbytesN)
+    headHdrawN    the sampled estimator on a head + draws store (``--head H --draws N``, TP=2): per token the exact
+                  top-H ids, then N draws from the rest of the distribution (issue #40), (H, N) in {(8, 40), (24, 24)}
 
-alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given.
+alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given; the students' seed (batch
+order, initialisation) the preset's unless ``--student-seed`` is given (results then named ``VARIANT-sSEED``).
 
 Each is evaluated densely on held-out text (perplexity, KL(teacher ‖ student), ECE, ``demo.metrics``), with the
 bytes per token of the cache it reads, its training wall time and peak memory (the child's peak resident set
@@ -48,11 +51,13 @@ if str(REPO_ROOT) not in sys.path:
 
 TOPK = (1, 8, 32, 100)
 TAILS = ("ghost", "none", "renorm")
-SAMPLES = (8, 16, 32)
+SAMPLES = (8, 16, 32, 48)
 TOP_P = (0.9, 0.99, 0.999)
+HEAD_DRAWS = ((8, 40), (24, 24))
 VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
             + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES)
-            + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P))
+            + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P)
+            + tuple(f"head{h}draw{n}" for h, n in HEAD_DRAWS))
 
 
 def _truncate_topk(batch, k: int):
@@ -117,8 +122,19 @@ def tagged(variant: str, proposal_temperature: float) -> str:
     return f"{variant}-t{proposal_temperature:g}" if sampled else variant
 
 
+def result_name(variant: str, proposal_temperature: float, student_seed: int | None) -> str:
+    """The name of a variant's result file: :func:`tagged`, and ``-sSEED`` for a ``--student-seed``."""
+    return tagged(variant, proposal_temperature) + ("" if student_seed is None else f"-s{student_seed}")
+
+
 def sampled_store(work: pathlib.Path, n: int, proposal_temperature: float) -> pathlib.Path:
     return work / f"cache_{tagged(f'sample{n}', proposal_temperature)}.zarr"
+
+
+def head_draws_store(work: pathlib.Path, variant: str) -> tuple[pathlib.Path, int, int]:
+    """(the store a ``headHdrawN`` variant reads, H, N)."""
+    head, draws = variant.removeprefix("head").split("draw")
+    return work / f"cache_{variant}.zarr", int(head), int(draws)
 
 
 def top_p_store(work: pathlib.Path, variant: str) -> pathlib.Path:
@@ -196,7 +212,7 @@ def _peak_rss() -> int:
 
 
 def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: int | None,
-                alpha: float | None, proposal_temperature: float = 1.0) -> dict:
+                alpha: float | None, proposal_temperature: float = 1.0, student_seed: int | None = None) -> dict:
     """Trains and evaluates one student (called in a child process); returns its row."""
     import torch
 
@@ -214,6 +230,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
         cfg = dataclasses.replace(cfg, student_steps=student_steps)
     if alpha is not None:
         cfg = dataclasses.replace(cfg, kd_alpha=alpha)
+    if student_seed is not None:                      # the teacher and its stores are already written
+        cfg = dataclasses.replace(cfg, seed=student_seed)
     corpus = DemoCorpus.load(work / "data")
     vocab = padded_vocab_size(corpus.vocab_size)
     with single_process_megatron(cfg.seed):
@@ -231,6 +249,8 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
             store, tail, step_func = sampled_store(work, n, proposal_temperature), "sampled", None
         elif variant.startswith("topp"):
             store, tail, step_func = top_p_store(work, variant), "ghost", None
+        elif variant.startswith("head"):
+            store, tail, step_func = head_draws_store(work, variant)[0], "sampled", None
         else:
             k, tail = (variant.removeprefix("top").split("-") if variant.startswith("top")
                        else (sizes[tagged(variant, proposal_temperature)]["k"], "ghost"))
@@ -252,6 +272,7 @@ def run_variant(variant: str, work: pathlib.Path, preset: str, student_steps: in
     name = tagged(variant, proposal_temperature)
     size = sizes.get(name, {"bytes_per_token": 0.0})
     name += f" (top{size['k']}-ghost)" if variant.startswith(("eqbytes", "eqtopp")) else ""
+    name += "" if student_seed is None else f" (seed {student_seed})"
     return dict(variant=name, **metrics[variant], teacher=metrics["teacher"], alpha=cfg.kd_alpha,
                 bytes_per_token=size["bytes_per_token"],
                 student_steps=cfg.student_steps, train_seconds=seconds,
@@ -310,6 +331,12 @@ def prepare_sampled_stores(work: pathlib.Path, preset: str, variants: list[str],
         except ValueError:                             # absent, or unfinished: the tool (re)writes or resumes it
             pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=n,
                                    proposal_temperature=proposal_temperature)
+    for variant in (v for v in variants if v.startswith("head")):
+        store, head, draws = head_draws_store(work, variant)
+        try:
+            TopKCacheReader(store)
+        except ValueError:
+            pipeline.cache_teacher(cfg, corpus, work / "teacher", store, sample=draws, head=head)
     for variant in (v for v in variants if v.startswith(("topp", "eqtopp"))):
         try:
             TopKCacheReader(top_p_store(work, variant))
@@ -333,6 +360,9 @@ def measure_bytes(work: pathlib.Path, variants: list[str], proposal_temperature:
         elif variant.startswith("top"):
             k = int(variant.removeprefix("top").split("-")[0])
             sizes[name] = dict(k=k, bytes_per_token=truncated_topk_bytes(store, k, scratch))
+        elif variant.startswith("head"):
+            store, head, draws = head_draws_store(work, variant)
+            sizes[name] = dict(k=head + draws, bytes_per_token=store_bytes_per_token(store))
         elif variant.startswith("sample"):
             n = int(variant.removeprefix("sample"))
             sizes[name] = dict(k=n, bytes_per_token=store_bytes_per_token(sampled_store(work, n, proposal_temperature)))
@@ -373,8 +403,8 @@ def teacher_topk_mass(store: pathlib.Path) -> dict[int, float]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown table; relative columns compare with the online dense-KD row."""
-    dense = next((r for r in rows if r["variant"] == "dense"), None)
+    """Markdown table; relative columns compare with the online dense-KD row (of the same student seed)."""
+    dense = next((r for r in rows if r["variant"].split(" ")[0] == "dense"), None)
     out = ["| student | cache B/token | held-out ppl | KL(teacher ‖ student) | ECE | ppl vs dense | KL vs dense | "
            "train s | peak MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -389,6 +419,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _color(variant: str) -> str:
+    """A variant's bar colour: one per kind of store, top-K by its tail."""
+    kinds = (("ce", "tab:gray"), ("dense", "tab:green"), ("topp", "tab:olive"), ("sample", "tab:purple"),
+             ("head", "tab:brown"), ("eq", "tab:cyan"))
+    return next((color for prefix, color in kinds if variant.startswith(prefix)), None) or \
+        {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[variant.split("-")[1]]
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib
 
@@ -400,16 +438,14 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, key, label in ((axes[0], "kl_to_teacher", "held-out KL(teacher ‖ student), nats/token"),
                            (axes[1], "perplexity", "held-out perplexity")):
         values = [r[key] for r in rows]
-        colors = ["tab:gray" if n == "ce" else "tab:green" if n == "dense" else "tab:olive" if n.startswith("topp")
-                  else "tab:purple" if n.startswith("sample")
-                  else "tab:cyan" if n.startswith(("eqbytes", "eqtopp")) else
-                  {"ghost": "tab:blue", "none": "tab:orange", "renorm": "tab:red"}[n.split("-")[1]] for n in names]
+        colors = [_color(n.split(" ")[0]) for n in names]
         ax.bar(range(len(rows)), values, color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(label)
         ax.set_ylim(min(values) * 0.95, max(values) * 1.02)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("students: CE only, online dense KD, cached top-K x tail, sampled cache, top-K at sampled bytes")
+    fig.suptitle("students: CE only, online dense KD, cached top-K x tail, sampled / head + draws caches, top-K at "
+                 "their bytes")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -429,13 +465,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, help="override the preset's kd_alpha for every KD student (dense too)")
     parser.add_argument("--proposal-temperature", type=float, default=1.0,
                         help="proposal temperature t of the sampled stores (results of t != 1 are named -tT)")
+    parser.add_argument("--student-seed", type=int, help="the students' seed (default: the preset's)")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = args.output
     if args.child:
-        row = run_variant(args.child, work, args.preset, args.student_steps, args.alpha, args.proposal_temperature)
-        (work / "bench" / f"{tagged(args.child, args.proposal_temperature)}.json").write_text(
+        row = run_variant(args.child, work, args.preset, args.student_steps, args.alpha, args.proposal_temperature,
+                          args.student_seed)
+        (work / "bench" / f"{result_name(args.child, args.proposal_temperature, args.student_seed)}.json").write_text(
             json.dumps(row, indent=1) + "\n")
         return 0
     prepare_work(work, args.preset, args.reuse, args.overwrite, vocab_size=args.vocab_size,
@@ -446,12 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for variant in args.variants:
-        result = work / "bench" / f"{tagged(variant, args.proposal_temperature)}.json"
+        result = work / "bench" / f"{result_name(variant, args.proposal_temperature, args.student_seed)}.json"
         if args.overwrite or not result.exists():
             print(f"[bench] {variant}", flush=True)
             extra = [] if args.student_steps is None else ["--student-steps", str(args.student_steps)]
             extra += [] if args.alpha is None else ["--alpha", str(args.alpha)]
             extra += ["--proposal-temperature", str(args.proposal_temperature)]
+            extra += [] if args.student_seed is None else ["--student-seed", str(args.student_seed)]
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--output", str(work),
                             "--child", variant, *extra], check=True, env=env, cwd=REPO_ROOT)
         rows.append(json.loads(result.read_text()))

@@ -181,13 +181,16 @@ def train_teacher(cfg: DemoConfig, corpus: DemoCorpus, folder: pathlib.Path):
 
 
 def cache_teacher(cfg: DemoConfig, corpus: DemoCorpus, teacher: pathlib.Path, store: pathlib.Path, *,
-                  sample: int | None = None, proposal_temperature: float = 1.0, top_p: float | None = None) -> None:
+                  sample: int | None = None, proposal_temperature: float = 1.0, top_p: float | None = None,
+                  head: int | None = None) -> None:
     """Runs the cache command (``python -m megatron_kd_plugin cache`` through torchrun's ``-m``: the package as this
     environment imports it, installed or not) at TP = ``cfg.cache_tp`` on the first ``cfg.cache_samples`` samples:
     the teacher's top-``cfg.topk``, or with ``sample`` that many ids drawn per token from the teacher at
-    ``proposal_temperature`` (a sampled store), or with ``top_p`` a top-p store capped at ``cfg.topk``."""
+    ``proposal_temperature`` (a sampled store; after the exact top-``head`` with ``head``), or with ``top_p`` a top-p
+    store capped at ``cfg.topk``."""
     mode = (["--topk", str(cfg.topk)] if sample is None
             else ["--draws", str(sample), "--proposal-temperature", str(proposal_temperature)])
+    mode += [] if head is None else ["--head", str(head)]
     mode += [] if top_p is None else ["--top-p", str(top_p)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
                "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
