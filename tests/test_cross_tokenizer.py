@@ -1094,3 +1094,39 @@ def test_demo_student_tokenizer_mini_on_a_jsonl_corpus_reports_every_model_in_bi
     missing = subprocess.run(demo + ["--corpus", str(tmp_path / "none.jsonl")], capture_output=True, text=True,
                              timeout=scaled(300))
     assert missing.returncode == 2 and "demo: error: --corpus" in missing.stderr and "no such file" in missing.stderr
+
+
+OPTION_WALK = dict(tail="renorm", divergence="forward_kl", jsd_beta=0.3, temperature=1.5, alpha=0.4, token_weight=0.9,
+                   impl="dense", mode="grad_in_forward", kernels="torch", chunk_bytes=4 * 30 * 3, validate=False,
+                   mass_tolerance=0.5)
+"""One value away from the walk's base case for every ``KDLossOptions`` field."""
+
+
+def test_every_loss_option_changes_the_loss_or_is_refused_in_one_line():
+    """Walks the public options (issue #40 item 2): the math options move the loss, the compute options (kernels,
+    chunk size, the input checks) keep it, and the ones this loss cannot take are refused naming the setting. A new
+    option fails here until it is placed in one of the three."""
+    import dataclasses
+
+    from megatron_kd_plugin.loss import KDLossOptions
+    from megatron_kd_plugin.loss.cross_tokenizer_loss import FIXED_OPTIONS
+
+    assert set(OPTION_WALK) == {f.name for f in dataclasses.fields(KDLossOptions)}
+    base = dict(divergence="jsd", jsd_beta=0.5, temperature=1.0, alpha=0.7, token_weight=0.5)
+    inputs = loss_inputs()
+    hidden, weight, labels, segment_ids, teacher, mask = inputs
+    tokens = token_inputs(labels)
+
+    def loss(**options):
+        return cross_tokenizer_loss(hidden, weight, cross_teacher(segment_ids, teacher, tokens), labels=labels,
+                                    loss_mask=mask, **{**base, **options}).loss_sum
+
+    reference = loss()
+    for name, value in OPTION_WALK.items():
+        if name in FIXED_OPTIONS:
+            with pytest.raises(ValueError, match=f"kd.{name}={value!r} has no effect on a student with its own"):
+                loss(**{name: value})
+        elif name in ("kernels", "chunk_bytes", "validate", "mass_tolerance"):
+            torch.testing.assert_close(loss(**{name: value}), reference, rtol=1e-10, atol=1e-12)
+        else:
+            assert (loss(**{name: value}) - reference).abs() > 1e-6, name

@@ -18,6 +18,7 @@ import warnings
 from megatron_kd_plugin.cache.rows import KDRow, RowKind
 from megatron_kd_plugin.cache.student_alignments import StudentAlignments, load_or_write, sidecar_path
 from megatron_kd_plugin.loss import KDLossOptions
+from megatron_kd_plugin.loss.cross_tokenizer_loss import check_options
 
 
 class CrossTokenizerRows(RowKind):
@@ -43,6 +44,7 @@ class CrossTokenizerRows(RowKind):
         if context_parallel_size > 1:
             raise ValueError(f"model.context_parallel_size={context_parallel_size} with a cross-tokenizer student "
                              "(dataset.student_tokenizer): segments would be split across CP ranks; use 1")
+        check_options(options)
         if options.token_weight > 0 and self.reader.spec.mode != "topk":
             raise ValueError(f"kd.token_weight={options.token_weight} needs the teacher's top-K, and "
                              f"{self.reader.path} holds draws; write it without --draws")

@@ -130,6 +130,23 @@ def binarised_divergence(teacher: torch.Tensor, student: torch.Tensor, *, diverg
     return bucket_divergence(buckets_p, buckets_q, torch.ones_like(buckets_p, dtype=torch.bool), divergence, jsd_beta)
 
 
+FIXED_OPTIONS = ("tail", "impl", "mode")
+"""The ``KDLossOptions`` this loss does not take: its token-level term has the ghost tail (the teacher's candidates
+that reach no student token), and its one pass is the fused head in ``recompute`` mode (g_t is known only in
+backward)."""
+
+
+def check_options(options: KDLossOptions) -> None:
+    """ValueError, in one line naming the setting, for an option of :data:`FIXED_OPTIONS` away from its default:
+    this loss would ignore it."""
+    default = KDLossOptions()
+    for name in FIXED_OPTIONS:
+        if getattr(options, name) != getattr(default, name):
+            raise ValueError(f"kd.{name}={getattr(options, name)!r} has no effect on a student with its own tokenizer "
+                             f"(the cross-tokenizer loss: a ghost-tail token term, one fused pass in recompute mode); "
+                             f"remove it (the default is {getattr(default, name)!r})")
+
+
 def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: CrossTokenizerTeacher, *,
                          labels: torch.Tensor, loss_mask: torch.Tensor | None = None,
                          options: KDLossOptions | None = None, tp_group=None, sequence_parallel: bool = False,
@@ -144,7 +161,8 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     same sums; hidden's gradient is all-reduced (reduce-scattered with sequence_parallel) by megatron-core's mappings,
     dW goes to the weight's fp32 ``main_grad`` when it has one (``accumulate_main_grad``). Of ``options`` (with
     ``option_overrides``) it reads ``divergence``, ``jsd_beta``, ``temperature`` (the binarisation's), ``alpha``,
-    ``token_weight``, ``chunk_bytes``, ``kernels``: divergence on the two-bucket segment events and on the token-level
+    ``token_weight``, ``chunk_bytes``, ``kernels``, ``validate``, ``mass_tolerance`` (the others are refused,
+    :func:`check_options`): divergence on the two-bucket segment events and on the token-level
     buckets, which are not tempered; the vocab work of the one pass runs on the Triton kernels where ``kernels``
     resolves to them (``auto``: CUDA, or the CPU interpreter; not float64).
 
@@ -153,13 +171,15 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     token-level term ``token kd loss`` (per covered token) and ``covered`` (per token).
     """
     options = (options or KDLossOptions()).with_overrides(**option_overrides)
+    check_options(options)
     token_weight = options.token_weight
     with_tokens = token_weight > 0.0
     if with_tokens and teacher.token_ids.shape[-1] == 0:
         raise ValueError(f"token_weight={token_weight} needs the teacher's top-K, and these rows carry none (a store "
                          "without a top-K); use token_weight=0")
     token_options = KDLossOptions(tail="ghost", divergence=options.divergence, jsd_beta=options.jsd_beta, alpha=1.0,
-                                 chunk_bytes=options.chunk_bytes, kernels=options.kernels)
+                                 chunk_bytes=options.chunk_bytes, kernels=options.kernels, validate=options.validate,
+                                 mass_tolerance=options.mass_tolerance)
     shard = resolve_shard(tp_group, weight.shape[0])
     seq = hidden.shape[0] * (shard.size if sequence_parallel else 1)
     tokens = (seq, hidden.shape[1])
@@ -178,7 +198,8 @@ def cross_tokenizer_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Cr
     if with_tokens:
         targets = token_teacher(teacher, labels)                              # [s, b, K + 1]
         check_shapes(hidden, weight, targets, loss_mask, labels, token_options, shard, sequence_parallel)
-        check_values(targets, loss_mask, labels, token_options, shard.vocab_size)
+        if options.validate:
+            check_values(targets, loss_mask, labels, token_options, shard.vocab_size)
         k = targets.ids.shape[-1]
         slots = TopKTeacher(targets.ids.reshape(-1, k),
                             torch.where(counted[:, None], targets.logprobs.reshape(-1, k), -torch.inf))
