@@ -99,3 +99,20 @@ def test_pyproject_lists_every_subpackage():
     folders = {".".join(p.parent.relative_to(REPO_ROOT).parts) for p in (REPO_ROOT / "megatron_kd_plugin").rglob(
         "__init__.py") if "__pycache__" not in p.parts}
     assert sorted(listed) == sorted(folders | {"megatron_kd_plugin.recipes"})
+
+
+def test_the_package_outside_bridge_imports_without_megatron_bridge():
+    """CONTRIBUTING's rule: with ``megatron.bridge`` unimportable (the lent GPU machine has no Transformer Engine,
+    hence no Bridge), the loss, the kernels, the store, inspect and the cache command still import."""
+    import subprocess
+    import sys
+
+    modules = ["megatron_kd_plugin", "megatron_kd_plugin.loss", "megatron_kd_plugin.kernels",
+               "megatron_kd_plugin.cache", "megatron_kd_plugin.cache.writer", "megatron_kd_plugin.cache.row_kinds",
+               "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.commands.inspect",
+               "megatron_kd_plugin.models.gpt", "megatron_kd_plugin.cpu_compat"]
+    code = ("import sys; sys.modules['megatron.bridge'] = None\n"
+            + "".join(f"import {name}\n" for name in modules)
+            + "assert sys.modules['megatron.bridge'] is None")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
