@@ -14,8 +14,8 @@ import torch
 from megatron_kd_plugin.kernels import reference
 from megatron_kd_plugin.loss.chunk_backends import TorchChunks
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_ragged_case, make_sampled_case,
-                                     make_saturated_case, make_small_tail_case, rel_err, run_loss)
+from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_head_draws_case, make_ragged_case,
+                                     make_sampled_case, make_saturated_case, make_small_tail_case, rel_err, run_loss)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 45                                  # odd; crosses the interpreter's 32-column tiles and 48-column splits
@@ -75,9 +75,11 @@ def test_triton_fused_matches_dense_float64(tail, divergence):
         _check(low, exact, options, 1e-5, **CHUNK)
 
 
-def test_triton_fused_sampled():
-    """tail=sampled (repeated draws, padding slots), with and without the CE mix, chunks of 4 tokens."""
-    low, exact = _on_device(make_sampled_case(draws=6, **SHAPE), torch.float32)
+@pytest.mark.parametrize("make", [make_sampled_case, make_head_draws_case])
+def test_triton_fused_sampled(make):
+    """tail=sampled on draws (repeats, padding slots) and on head + draws rows, with and without the CE mix, chunks
+    of 4 tokens."""
+    low, exact = _on_device(make(draws=6, **SHAPE), torch.float32)
     for options in (dict(tail="sampled"), dict(tail="sampled", alpha=0.4, with_labels=True)):
         _check(low, exact, options, 1e-5, **CHUNK)
 

@@ -67,6 +67,20 @@ def make_sampled_case(*, draws=9, proposal_temperature=1.5, teacher_vocab=None, 
     return dict(case, teacher_ids=ids.to(torch.int32), teacher_logprobs=logprobs, draw_weights=weights)
 
 
+def make_head_draws_case(*, head=3, draws=6, seed=0, **shape):
+    """``make_case``'s student, mask and labels with a head + draws teacher (``cache.head_draws``): per token the
+    exact top-``head`` of a full teacher, then ``draws`` ids drawn from the rest, weighed p and (1 - m) / N."""
+    from megatron_kd_plugin.cache.draws import draw_uniforms
+    from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+
+    case = make_case(seed=seed, **shape)
+    s, b = case["loss_mask"].shape
+    logits = torch.randn(s, b, case["weight"].shape[0], generator=torch.Generator().manual_seed(seed + 1)) * 2
+    rows = vocab_parallel_head_draws(logits, draw_uniforms(seed, 0, b, s, draws), head)
+    return dict(case, teacher_ids=rows.ids.to(torch.int32), teacher_logprobs=rows.logprobs.double(),
+                draw_weights=head_draw_weights(rows.logprobs, head).double())
+
+
 def teacher_of(case) -> TopKTeacher | SampledTeacher:
     """The case's teacher as the loss takes it: a ``SampledTeacher`` when the case has ``draw_weights``."""
     if "draw_weights" in case:
