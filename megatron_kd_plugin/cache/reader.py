@@ -39,10 +39,7 @@ class TopKCacheReader:
                              f"{self.spec.num_samples} are not written; rerun the cache tool with the same command "
                              "to complete it")
         self.group = group
-        names = [fmt.TOKENS, fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * self.spec.store_logsumexp + \
-            [fmt.PROPOSAL_LOGNORM] * self.spec.stores_proposal_lognorm + \
-            [fmt.REALISED_LOGPROB] * self.spec.cross_tokenizer
-        self._samples = SampleReader(self.path, group, self.spec, names)
+        self._samples = SampleReader(self.path, group, self.spec)     # every per-sample array of the store
 
     def __len__(self) -> int:
         return self.spec.num_samples

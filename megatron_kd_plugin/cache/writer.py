@@ -252,8 +252,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
                   micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
     place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes)."""
-    names = [fmt.IDS, fmt.LOGPROBS] + [fmt.LOGSUMEXP] * spec.store_logsumexp + \
-        [fmt.PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm + [fmt.REALISED_LOGPROB] * spec.cross_tokenizer
+    names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS)]
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
               fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     out: dict[str, np.ndarray] = {}

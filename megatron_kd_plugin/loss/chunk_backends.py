@@ -24,14 +24,12 @@ support' = support - dense exp(g - M) cancels the dense term the kernel also wri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from .plan import KDBatch, LossPlan
 from .token_math import TokenPartials, TokenTerms
-
-if TYPE_CHECKING:                     # the loop's plan and batch, handed in by ``chunk_loop`` (which imports this)
-    from .chunk_loop import KDBatch, LossPlan
 
 
 # The PyTorch pieces, each one kernel's worth of work over a [c, V/tp] buffer. Index inputs are this rank's:

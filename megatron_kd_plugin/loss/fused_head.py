@@ -39,7 +39,8 @@ import dataclasses
 
 import torch
 
-from .chunk_loop import KDBatch, LossPlan, PerToken, backward_pass, forward_pass
+from .chunk_loop import PerToken, backward_pass, forward_pass
+from .plan import KDBatch, LossPlan
 
 
 @dataclasses.dataclass(frozen=True)
