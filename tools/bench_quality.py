@@ -14,7 +14,7 @@ differing only in their loss:
     topK-tail     the fused loss on the cache's K highest teacher log-probs, K in {1, 8, 32, 100}, tail in
                   {ghost, none, renorm}, forward KL, the same alpha
     sampleN       the fused loss's unbiased sampled estimator (tail = sampled) on a store of N ids drawn per token
-                  from the teacher (N in {8, 16, 32}), the same alpha
+                  from the teacher (N in {8, 16, 32, 48, 64}), the same alpha
     eqbytesN      top-K ghost with the largest K whose store takes no more bytes per token than sampleN's (the
                   top-100 store truncated to K and re-encoded with the cache's codecs, to measure its size)
     toppP         the fused loss (ghost tail) on a top-p store written by the same cache tool (``--top-p P``, cap K =
@@ -22,7 +22,8 @@ differing only in their loss:
                   {0.9, 0.99, 0.999}
     eqtoppP       top-K ghost with the largest K whose store takes no more bytes per token than toppP's (as eqbytesN)
     headHdrawN    the sampled estimator on a head + draws store (``--head H --draws N``, TP=2): per token the exact
-                  top-H ids, then N draws from the rest of the distribution (issue #40), (H, N) in {(8, 40), (24, 24)}
+                  top-H ids, then N draws from the rest of the distribution (issue #40), (H, N) in {(8, 40), (24, 24),
+                  (8, 56)}
 
 alpha is the preset's ``kd_alpha`` (the demo's KD student) unless ``--alpha`` is given; the students' seed (batch
 order, initialisation) the preset's unless ``--student-seed`` is given (results then named ``VARIANT-sSEED``).
@@ -51,9 +52,9 @@ if str(REPO_ROOT) not in sys.path:
 
 TOPK = (1, 8, 32, 100)
 TAILS = ("ghost", "none", "renorm")
-SAMPLES = (8, 16, 32, 48)
+SAMPLES = (8, 16, 32, 48, 64)
 TOP_P = (0.9, 0.99, 0.999)
-HEAD_DRAWS = ((8, 40), (24, 24))
+HEAD_DRAWS = ((8, 40), (24, 24), (8, 56))
 VARIANTS = (("ce", "dense") + tuple(f"top{k}-{tail}" for k in TOPK for tail in TAILS)
             + tuple(f"sample{n}" for n in SAMPLES) + tuple(f"eqbytes{n}" for n in SAMPLES)
             + tuple(f"topp{p}" for p in TOP_P) + tuple(f"eqtopp{p}" for p in TOP_P)
