@@ -92,7 +92,7 @@ def _run_variant(variant, args, hidden, weight, teacher_ids, teacher_logprobs, l
 
     chunk_bytes = args.chunk_bytes or DEFAULT_CHUNK_BYTES["cpu"]
     if variant == "teacher_side":
-        from megatron_kd_plugin.loss.plan import LossPlan, prepare_batch
+        from megatron_kd_plugin.loss.loss_plan import LossPlan, prepare_batch
         from megatron_kd_plugin.loss.options import KDLossOptions
         from megatron_kd_plugin.loss.tp import resolve_shard
 

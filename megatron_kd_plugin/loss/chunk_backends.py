@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .plan import KDBatch, LossPlan
+from .loss_plan import KDBatch, LossPlan
 from .token_math import TokenPartials, TokenTerms
 
 

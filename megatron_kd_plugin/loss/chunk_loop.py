@@ -1,6 +1,6 @@
 """The chunk loop over tokens that every vocab-sized formulation shares (fused, forward-chunked, the cross-tokenizer
 loss's token terms), over what it receives: one frozen plan (options + TP shard + chunk size) and the per-token batch
-(``plan.py``).
+(``loss_plan.py``).
 
 Each chunk: raw logits r [c, V/tp] (from X_c W^T or from stored logits) -> MAX all-reduce of the row max ->
 one SUM all-reduce of [E_tail, g (K), r_y, S1, S1_tail] -> ``token_terms`` -> optionally the logits gradient, handed
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .chunk_backends import ChunkCoefs, chunk_backend
-from .plan import KDBatch, LossPlan
+from .loss_plan import KDBatch, LossPlan
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_max_, all_reduce_sum_
 

@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from .plan import IGNORE_INDEX, LossPlan, prepare_batch, use_triton_kernels
+from .loss_plan import IGNORE_INDEX, LossPlan, prepare_batch, use_triton_kernels
 from .divergence import bucket_divergence
 from .fused_head import fused_token_values
 from .options import KDLossOptions, KDLossResult

@@ -40,7 +40,7 @@ import dataclasses
 import torch
 
 from .chunk_loop import PerToken, backward_pass, forward_pass
-from .plan import KDBatch, LossPlan
+from .loss_plan import KDBatch, LossPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .chunk_loop import forward_pass, group_sums
-from .plan import KDBatch, LossPlan
+from .loss_plan import KDBatch, LossPlan
 from .fused_head import input_grads, loss_totals
 from .options import KDLossOptions
 from .teacher import SlotTeacher

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .chunk_loop import group_sums
-from .plan import KDBatch, LossPlan
+from .loss_plan import KDBatch, LossPlan
 from .fused_head import formed_grads, input_grads, loss_totals, main_grad_of
 from .token_math import TokenPartials, token_terms
 from .tp import all_reduce_sum_

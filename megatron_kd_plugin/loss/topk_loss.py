@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import LossPlan, prepare_batch, use_triton_kernels
+from .loss_plan import LossPlan, prepare_batch, use_triton_kernels
 from .fused_head import fused_topk_kl
 from .options import KDLossOptions, KDLossResult
 from .references import dense_topk_kl, forward_chunked_topk_kl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .options import KDLossOptions
-from .plan import IGNORE_INDEX
+from .loss_plan import IGNORE_INDEX
 from .teacher import SlotTeacher
 from .tp import VocabShard
 
