@@ -173,3 +173,29 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, rtol):
             assert got.loss_sum.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
             assert rel_err(got.loss_sum, ref.loss_sum) < 1e-5
             assert rel_err(dh, ref_dh) < rtol and rel_err(dw, ref_dw) < rtol, (tail, mode)
+
+
+def test_reduced_columns_round_trip_and_refuse_an_undeclared_column():
+    """The chunk's SUM all-reduce layout: every formed field comes back where it was packed, whatever subset the
+    plan forms, and a backend that forms a column the layout does not declare (or misses one) is refused."""
+    from megatron_kd_plugin.loss.token_math import REDUCED_FIELDS, ReducedColumns
+
+    c, k = 3, 4
+    values = {name: torch.randn(c, k) if name == "support_logits" else torch.randn(c) for name in REDUCED_FIELDS}
+    row_max = torch.randn(c)
+    for optional in ((), ("label_logit",), ("label_logit", "ce_sum_exp"), ("unit_tail_sum",), REDUCED_FIELDS[2:]):
+        fields = tuple(name for name in REDUCED_FIELDS if name in ("tail_sum", "support_logits") + optional)
+        layout = ReducedColumns(fields, k)
+        packed = layout.pack(**{name: values[name] for name in fields})
+        assert packed.shape == (c, layout.width) == (c, k + len(fields) - 1)
+        partials = layout.unpack(packed, row_max)
+        for name in REDUCED_FIELDS:
+            expected = values[name] if name in fields else None
+            assert (getattr(partials, name) is None) if expected is None else torch.equal(getattr(partials, name),
+                                                                                          expected), (fields, name)
+        assert torch.equal(partials.row_max, row_max)
+    layout = ReducedColumns(("tail_sum", "support_logits"), k)
+    with pytest.raises(ValueError, match="formed"):
+        layout.pack(**{name: values[name] for name in ("tail_sum", "support_logits", "label_logit")})
+    with pytest.raises(ValueError, match="in that order"):
+        ReducedColumns(("support_logits", "tail_sum"), k)

@@ -4,7 +4,8 @@ For one chunk of c tokens with raw logits r [c, V/tp] (``token_math`` for the na
 
     chunk = backend.load(r, rows)
     M = MAX-all-reduce(chunk.local_max())                                 # [c] max_j z_j, z = r / tau
-    partials = SUM-all-reduce(chunk.partial_sums(M))     # [c, 1 + K (+1) (+1) (+1)]: E_tail, g, r_y, S1, S1_tail
+    partials = SUM-all-reduce(chunk.partial_sums(M))     # [c, width]: E_tail, g, r_y, S1, S1_tail as the plan
+                                                         # forms them (``token_math.ReducedColumns``)
     coefs = backend.coefs(rows, token_terms(...), partials)               # ChunkCoefs, linear in d loss
     grad = chunk.logits_grad_(M, coefs)                                   # [c, V/tp] d loss / d r, in r's buffer
 
@@ -110,19 +111,19 @@ class _TorchChunk:
         return exp_off_support_(self.z, row_max, self.ids, batch.local_valid[rows]), full
 
     def partial_sums(self, row_max: torch.Tensor) -> torch.Tensor:
-        batch, rows = self.batch, self.rows
-        columns = [gather_local(self.z, self.ids, batch.local_valid[rows])]                 # [c, K] g
-        if self.plan.with_labels:
-            columns.append(gather_local(self.z, batch.local_label[rows, None], batch.label_local[rows, None])
-                           * self.plan.options.temperature)
+        plan, batch, rows = self.plan, self.batch, self.rows
+        columns = dict(support_logits=gather_local(self.z, self.ids, batch.local_valid[rows]))   # [c, K] g
+        if plan.with_labels:
+            columns["label_logit"] = gather_local(self.z, batch.local_label[rows, None],
+                                                  batch.label_local[rows, None]) * plan.options.temperature
         self.exp = self._exp_buffers(row_max)
         exp_off, exp_full = self.exp
         if exp_full is not None:
-            columns.append(exp_full.sum(-1, keepdim=True))
-        if self.plan.tail_needs_student_shape:                               # S1_tail = sum off S of E^tau
-            columns.append(exp_off.pow(self.plan.options.temperature).sum(-1, keepdim=True))
-        columns.insert(0, exp_off.sum(-1, keepdim=True))
-        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1) (+1)]
+            columns["ce_sum_exp"] = exp_full.sum(-1)
+        if plan.tail_needs_student_shape:                                    # S1_tail = sum off S of E^tau
+            columns["unit_tail_sum"] = exp_off.pow(plan.options.temperature).sum(-1)
+        columns["tail_sum"] = exp_off.sum(-1)
+        return plan.reduced_columns(self.ids.shape[1]).pack(**columns)      # [c, width]
 
     def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
         plan, batch, rows = self.plan, self.batch, self.rows
@@ -176,14 +177,14 @@ class _TritonChunk:
         plan = self.backend.plan
         k = self.support_ids.shape[1]
         local_max, sum_exp, gathered = (t.to(plan.dtype) for t in self.stats)   # [c], [c], [c, K (+1)]
-        columns = [(sum_exp * (local_max - row_max).exp())[:, None], gathered[:, :k]]
+        columns = dict(tail_sum=sum_exp * (local_max - row_max).exp(), support_logits=gathered[:, :k])
         if plan.with_labels:
-            columns.append(gathered[:, k:] * plan.options.temperature)
-        for stats in (self.ce_stats, self.tail_stats):                      # S1, S1_tail
+            columns["label_logit"] = gathered[:, k] * plan.options.temperature
+        for name, stats in (("ce_sum_exp", self.ce_stats), ("unit_tail_sum", self.tail_stats)):   # S1, S1_tail
             if stats is not None:
                 local_max, local_sum = stats[0].to(plan.dtype), stats[1].to(plan.dtype)
-                columns.append((local_sum * (local_max - plan.options.temperature * row_max).exp())[:, None])
-        return torch.cat(columns, -1)                                        # [c, 1 + K (+1) (+1) (+1)]
+                columns[name] = local_sum * (local_max - plan.options.temperature * row_max).exp()
+        return plan.reduced_columns(k).pack(**columns)                       # [c, width]
 
     def logits_grad_(self, row_max: torch.Tensor, coefs: ChunkCoefs) -> torch.Tensor:
         from megatron_kd_plugin.kernels import chunk_logit_grad_

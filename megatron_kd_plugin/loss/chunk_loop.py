@@ -3,7 +3,7 @@ loss's token terms), over what it receives: one frozen plan (options + TP shard 
 (``loss_plan.py``).
 
 Each chunk: raw logits r [c, V/tp] (from X_c W^T or from stored logits) -> MAX all-reduce of the row max ->
-one SUM all-reduce of [E_tail, g (K), r_y, S1, S1_tail] -> ``token_terms`` -> optionally the logits gradient, handed
+one SUM all-reduce of [E_tail, g (K), r_y, S1, S1_tail] (``token_math.ReducedColumns``) -> ``token_terms`` -> optionally the logits gradient, handed
 to ``on_grad``. Recompute mode keeps the per-token coefficients instead and rebuilds the gradient in
 ``backward_pass``. A per-token pass (``PerToken``) returns each token's KD and CE values instead of weighted sums, and
 keeps the two terms' coefficients apart, so that backward can scale each term of each token by its own incoming
@@ -20,7 +20,7 @@ import torch
 
 from .chunk_backends import ChunkCoefs, chunk_backend
 from .loss_plan import KDBatch, LossPlan
-from .token_math import TokenPartials, token_terms
+from .token_math import token_terms
 from .tp import all_reduce_max_, all_reduce_sum_
 
 
@@ -81,6 +81,7 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
     kd_options = options if per_token is None else dataclasses.replace(options, alpha=1.0)
     ce_options = dataclasses.replace(options, alpha=0.0) if per_token is not None and keep_coefs else None
     backend = chunk_backend(plan, batch)
+    columns = plan.reduced_columns(k)
     totals = torch.zeros(3 + 2 * plan.num_groups, dtype=plan.dtype, device=batch.weight.device)
     saved = None
     if keep_coefs:
@@ -89,12 +90,8 @@ def forward_pass(plan: LossPlan, batch: KDBatch, logits_chunk: LogitsChunk, on_g
     for rows in _chunks(plan, num_tokens, batch.weight.device):
         chunk = backend.load(logits_chunk(rows), rows)                       # [c, V/tp] raw r
         row_max = all_reduce_max_(chunk.local_max(), plan.shard)             # [c] M
-        packed = all_reduce_sum_(chunk.partial_sums(row_max), plan.shard)    # [c, 1 + K (+1) (+1) (+1)]
-        extra = iter(packed[:, 1 + k:].unbind(-1))
-        partials = TokenPartials(support_logits=packed[:, 1:1 + k], row_max=row_max, tail_sum=packed[:, 0],
-                                 label_logit=next(extra) if plan.with_labels else None,
-                                 ce_sum_exp=next(extra) if plan.ce_needs_unit_softmax else None,
-                                 unit_tail_sum=next(extra) if plan.tail_needs_student_shape else None)
+        packed = all_reduce_sum_(chunk.partial_sums(row_max), plan.shard)    # [c, width]
+        partials = columns.unpack(packed, row_max)
         weight, teacher = batch.weight[rows], batch.teacher.rows(rows)
         has_label = None if batch.has_label is None else batch.has_label[rows]
         terms = token_terms(partials, teacher, weight, kd_options, has_label)

@@ -10,6 +10,7 @@ import torch
 
 from .options import KDLossOptions
 from .teacher import SlotTeacher, TeacherBuckets, tensor_map
+from .token_math import REDUCED_FIELDS, ReducedColumns
 from .tp import VocabShard, shard_local
 
 
@@ -49,6 +50,13 @@ class LossPlan:
         """The ghost tail at tau != 1: the teacher's tail bucket is tempered with the student's tail shape, which
         needs the untempered off-support sum S1_tail (``token_math``)."""
         return self.options.tail == "ghost" and self.options.temperature != 1.0
+
+    def reduced_columns(self, k: int) -> ReducedColumns:
+        """The layout of the chunk's SUM all-reduce for K teacher slots: E_tail and g always, r_y with labels, S1 for
+        CE at tau != 1, S1_tail for the ghost tail at tau != 1."""
+        formed = {"label_logit": self.with_labels, "ce_sum_exp": self.ce_needs_unit_softmax,
+                  "unit_tail_sum": self.tail_needs_student_shape}
+        return ReducedColumns(tuple(name for name in REDUCED_FIELDS if formed.get(name, True)), k)
 
     def chunk_tokens(self, vocab_local: int, device: torch.device) -> int:
         """Tokens per chunk so that the chunk's [c, V/tp] working buffers fit the byte budget (at least 1): the

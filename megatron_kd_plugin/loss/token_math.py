@@ -55,6 +55,7 @@ every rank then has every per-token number, and its own E-chunk gives its own dr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -73,6 +74,47 @@ class TokenPartials(NamedTuple):
     label_logit: torch.Tensor | None = None  # [c] r_y (tau = 1)
     ce_sum_exp: torch.Tensor | None = None  # [c] S1 = sum_j exp(r_j - tau M); None when tau = 1
     unit_tail_sum: torch.Tensor | None = None  # [c] S1_tail = sum_{j not in S} exp(r_j - tau M): ghost, tau != 1
+
+
+REDUCED_FIELDS = ("tail_sum", "support_logits", "label_logit", "ce_sum_exp", "unit_tail_sum")
+"""The :class:`TokenPartials` fields a chunk's one SUM all-reduce carries, in their column order (``row_max`` is the
+MAX all-reduce's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedColumns:
+    """The declared layout of a chunk's SUM all-reduce buffer [c, width]: the :data:`REDUCED_FIELDS` a call forms
+    (``fields``), side by side in that order, ``support_logits`` K columns wide and every other one column. Each chunk
+    backend packs its per-rank partial sums with :meth:`pack`; the chunk loop reads the reduced buffer back with
+    :meth:`unpack`, so no column is found by its position anywhere else."""
+
+    fields: tuple[str, ...]
+    k: int
+
+    def __post_init__(self):
+        if [name for name in REDUCED_FIELDS if name in self.fields] != list(self.fields) or \
+                not {"tail_sum", "support_logits"} <= set(self.fields):
+            raise ValueError(f"reduced columns {self.fields}: expected tail_sum, support_logits and any of the rest of "
+                             f"{REDUCED_FIELDS}, in that order")
+
+    def _widths(self) -> list[int]:
+        return [self.k if name == "support_logits" else 1 for name in self.fields]
+
+    @property
+    def width(self) -> int:
+        return sum(self._widths())
+
+    def pack(self, **columns: torch.Tensor) -> torch.Tensor:
+        """[c, width] from each field's per-rank values ([c, K] ``support_logits``, [c] the others)."""
+        if set(columns) != set(self.fields):
+            raise ValueError(f"a chunk backend formed {sorted(columns)}; the layout is {self.fields}")
+        return torch.cat([columns[name].reshape(len(columns[name]), -1) for name in self.fields], -1)
+
+    def unpack(self, packed: torch.Tensor, row_max: torch.Tensor) -> TokenPartials:
+        """The chunk's :class:`TokenPartials` from its reduced buffer [c, width] and its row max M [c]."""
+        parts = packed.split(self._widths(), -1)
+        return TokenPartials(row_max=row_max, **{name: part if name == "support_logits" else part[:, 0]
+                                                 for name, part in zip(self.fields, parts, strict=True)})
 
 
 class TokenTerms(NamedTuple):
