@@ -42,8 +42,27 @@ from megatron_kd_plugin.cache import (
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "100,0,0"
-ENSEMBLE = "ensemble"
-"""The key of the ensemble's source among the run's sources."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleSource:
+    """The one source of an ensemble run: its stores and their weights; each row mixes the members' teachers over the
+    same sample (``cache.ensemble_rows``). A run's other sources are store paths (``str``)."""
+
+    members: tuple[tuple[str, float], ...]
+
+    @property
+    def name(self) -> str:
+        """The members' folder names without ``.zarr``, joined by ``+``."""
+        return "+".join(pathlib.Path(path).stem for path, _ in self.members)
+
+    def described(self) -> dict:
+        """What identifies it in a run's data identity (``data_identity``)."""
+        return {"ensemble": [list(member) for member in self.members]}
+
+
+Source = str | EnsembleSource
+"""One source of a run's rows: a store path, or an ensemble of stores."""
 
 
 def parse_blend(value, what: str) -> list[tuple[str, float | None]]:
@@ -142,9 +161,10 @@ class TopKCacheDatasetProvider(DatasetProvider):
             raise ValueError(f"dataset.student_alignments={self.student_alignments!r}: expected 'sidecar' or 'memory'")
         self.blends()
 
-    def blends(self) -> list[list[tuple[str, float | None]] | None]:
+    def blends(self) -> list[list[tuple[Source, float | None]] | None]:
         """Each split's sources and their weights, [train, valid, test] (None: no such split): a source is a store
-        path, or ``ENSEMBLE``. ValueError for settings that name no data or contradict each other."""
+        path, or the ensemble (``EnsembleSource``). ValueError for settings that name no data or contradict each
+        other."""
         given = [name for name in ("blend", "blend_per_split", "ensemble") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"dataset.{' and dataset.'.join(given)} are both set: a run reads a blend, one blend per "
@@ -159,8 +179,7 @@ class TopKCacheDatasetProvider(DatasetProvider):
             return [None if value is None else parse_blend(value, f"dataset.blend_per_split[{index}]")
                     for index, value in enumerate(self.blend_per_split)]
         if self.ensemble is not None:
-            self.ensemble_members()
-            entries = [(ENSEMBLE, None)]
+            entries = [(EnsembleSource(tuple(self.ensemble_members())), None)]
         elif self.blend is not None:
             entries = parse_blend(self.blend, "dataset.blend")
         elif self.cache_path is not None:
@@ -177,7 +196,7 @@ class TopKCacheDatasetProvider(DatasetProvider):
             raise ValueError(f"dataset.ensemble={self.ensemble!r}: an ensemble mixes two or more stores")
         return [(path, 1.0 if weight is None else weight) for path, weight in members]
 
-    def sources(self) -> list[str]:
+    def sources(self) -> list[Source]:
         """Every source the splits read, in order of first appearance: a row's ``source`` indexes this list."""
         seen = {}
         for entries in self.blends():
@@ -192,10 +211,9 @@ class TopKCacheDatasetProvider(DatasetProvider):
         sources = self.sources()
         if len(sources) < 2:
             return ()
-        members = [path for path, _ in self.ensemble_members()] if self.ensemble is not None else []
-        names = ["+".join(pathlib.Path(p).stem for p in members) if key == ENSEMBLE else pathlib.Path(key).stem
-                 for key in sources]
-        return tuple(names) if len(set(names)) == len(names) else tuple(sources)
+        names = [source.name if isinstance(source, EnsembleSource) else pathlib.Path(source).stem
+                 for source in sources]
+        return tuple(names) if len(set(names)) == len(names) else tuple(map(str, sources))
 
     def _open(self, path: str, vocab_size: int | None) -> RowKind:
         reader = TopKCacheReader(path)   # refuses an unfinished store
@@ -204,16 +222,15 @@ class TopKCacheDatasetProvider(DatasetProvider):
         kind.validate(vocab_size=vocab_size, k=self.k)
         return kind
 
-    def row_kinds(self, *, vocab_size: int | None = None) -> dict[str, RowKind]:
+    def row_kinds(self, *, vocab_size: int | None = None) -> dict[Source, RowKind]:
         """Every source opened and its rows' kind looked up for this student ({source: kind}, ``sources()``'s
         order), checked against this provider, the student's ``vocab_size`` (if given; ``check_kd_config`` passes
         the model's) and each other (``cache.check_blend``); ValueError if they do not fit."""
         kinds = {}
         for key in self.sources():
-            if key == ENSEMBLE:
-                members = self.ensemble_members()
-                kinds[key] = EnsembleRows([self._open(path, vocab_size) for path, _ in members],
-                                          [weight for _, weight in members])
+            if isinstance(key, EnsembleSource):
+                kinds[key] = EnsembleRows([self._open(path, vocab_size) for path, _ in key.members],
+                                          [weight for _, weight in key.members])
             else:
                 kinds[key] = self._open(key, vocab_size)
         check_blend(kinds)
@@ -223,11 +240,12 @@ class TopKCacheDatasetProvider(DatasetProvider):
         """What decides the order of the training rows besides the stores' contents: each split's sources and
         weights (the ensemble's stores and weights), the split, seed and shuffling, the student's seq_length. A run
         resumes only on the same (``bridge.resume``)."""
-        identity = {"splits": {name: entries for name, entries in zip(SPLITS, self.blends())},
+        described = [None if entries is None else
+                     [(source.described() if isinstance(source, EnsembleSource) else source, weight)
+                      for source, weight in entries] for entries in self.blends()]
+        identity = {"splits": dict(zip(SPLITS, described)),
                     "split": None if self.blend_per_split is not None else self.split, "seed": self.seed,
                     "shuffle": self.shuffle, "seq_length": self.seq_length}
-        if self.ensemble is not None:
-            identity["ensemble"] = self.ensemble_members()
         return identity
 
     def build_datasets(self, context: DatasetBuildContext):
