@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from megatron_kd_plugin.cache.window_order import WindowOrder
-from megatron_kd_plugin.loss import KDLossOptions
+from megatron_kd_plugin.loss import KDLossOptions, RowTeacher
 
 
 class KDRow(NamedTuple):
@@ -35,7 +35,7 @@ class KDRow(NamedTuple):
     labels: torch.Tensor | None         # [S] int64 the token each position predicts
     loss_mask: torch.Tensor | None      # [S] float32 token weights, 0 = not counted
     position_ids: torch.Tensor | None   # [S] int64
-    teacher: tuple | None               # the kind's typed teacher (a NamedTuple of [S, ...] tensors)
+    teacher: RowTeacher | None          # the kind's typed teacher ([S, ...] tensors)
     source: torch.Tensor | None = None  # [] int64 (batched: [b]) the row's source, its index among the run's stores
     #                                     (``KDRows`` sets it; a blend's per-source figures: ``blended_rows``)
 

@@ -16,11 +16,11 @@ baselines) and ``cross_tokenizer_loss``. ``step.kd_loss`` picks a member by the 
 
 from .cross_tokenizer_loss import CrossTokenizerTeacher, cross_tokenizer_loss
 from .options import KDLossOptions, KDLossResult
-from .step import KDLossInputs, kd_loss
+from .step import KDLossInputs, RowTeacher, kd_loss
 from .sampled_teacher import SampledTeacher
 from .teacher import tensor_map
 from .topk_teacher import TopKTeacher
 from .topk_loss import topk_kd_loss
 
-__all__ = ["CrossTokenizerTeacher", "KDLossInputs", "KDLossOptions", "KDLossResult", "SampledTeacher", "TopKTeacher",
+__all__ = ["CrossTokenizerTeacher", "KDLossInputs", "KDLossOptions", "KDLossResult", "RowTeacher", "SampledTeacher", "TopKTeacher",
            "cross_tokenizer_loss", "kd_loss", "tensor_map", "topk_kd_loss"]

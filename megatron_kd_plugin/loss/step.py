@@ -13,12 +13,15 @@ from .sampled_teacher import SampledTeacher
 from .topk_teacher import TopKTeacher
 from .topk_loss import topk_kd_loss
 
+RowTeacher = TopKTeacher | SampledTeacher | CrossTokenizerTeacher
+"""The teacher side of a training row: every kind a store's rows carry (``cache.rows.KDRow.teacher``)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KDLossInputs:
     """Everything a KD loss takes besides the final hidden states and the lm_head weight, in [s, b] order."""
 
-    teacher: TopKTeacher | SampledTeacher | CrossTokenizerTeacher
+    teacher: RowTeacher
     """The teacher's side of the rows ([s, b, ...]); its type picks the loss (``kd_loss``)."""
     labels: torch.Tensor
     """[s, b] int: the token each position predicts."""
