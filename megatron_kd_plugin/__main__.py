@@ -18,7 +18,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": "megatron_kd_plugin.demo.pipeline",
+    "demo": "megatron_kd_plugin.demo.command",
     "cache": "megatron_kd_plugin.commands.cache",
     "train": "megatron_kd_plugin.commands.train",
     "inspect": "megatron_kd_plugin.commands.inspect",

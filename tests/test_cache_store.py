@@ -85,7 +85,7 @@ def test_fast_chunk_reads_equal_zarr_reads(tmp_path):
 
 
 def test_windows_of_a_shorter_student_sequence(tmp_path):
-    """A student of seq_length 4 reads S / 4 = 3 windows per sample (``TopKRows``): each the tokens, shifted labels
+    """A student of seq_length 4 reads S / 4 = 3 windows per sample (``SlotRows``): each the tokens, shifted labels
     and top-K rows of that stretch of the sample, in the store's dtypes."""
 
     write(tmp_path / "c")
@@ -456,7 +456,8 @@ def test_spec_rejects_bad_values():
     for bad, match in [(dict(k=0), "k"), (dict(k=11), "k"), (dict(vocab_size=2**31 + 1), "vocab"),
                        (dict(temperature=0.0), "temperature"), (dict(logprob_codec="bf16"), "logprob"),
                        (dict(samples_per_shard=0), "samples"), (dict(mode="random"), "mode"),
-                       (dict(proposal_temperature=1.5), "sampled mode only"), (dict(sample_seed=3), "sampled mode"),
+                       (dict(proposal_temperature=1.5), "applies to a sampled store only"),
+                           (dict(sample_seed=3), "applies to a sampled store only"),
                        (dict(mode="sampled", proposal_temperature=0.0), "proposal_temperature must be > 0"),
                        (dict(mode="sampled", sample_seed=-1), "sample_seed must be >= 0")]:
         with pytest.raises(ValueError, match=match):
@@ -465,7 +466,8 @@ def test_spec_rejects_bad_values():
 
 
 def test_inspect_reports_completeness_sizes_and_distributions(tmp_path, capsys):
-    from megatron_kd_plugin.commands.inspect import main, topk_statistics
+    from megatron_kd_plugin.cache.kinds.top_k_store import topk_statistics
+    from megatron_kd_plugin.commands.inspect import main
 
     write(tmp_path / "c")
     assert main([str(tmp_path / "c"), "--plot", str(tmp_path / "h.png")]) == 0

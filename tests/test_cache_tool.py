@@ -255,7 +255,7 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
                                                     "--draw-seed", "3"]
     result = subprocess.run(command, env=_env(2), capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sampled N=16" in result.stdout
+    assert "sampled, N=16 draws per token" in result.stdout
     reader = TopKCacheReader(output)
     reader.validate(vocab_size=SPEC.vocab_size, seq_length=S, k=n, mode="sampled")
     mismatched = 0
@@ -288,7 +288,7 @@ def test_head_and_draws_store_holds_the_exact_head_then_draws_of_the_rest(teache
     result = subprocess.run(command + ["--head", str(head), "--draws", str(n)], env=_env(1), capture_output=True,
                             text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sampled N=12 after the top-3" in result.stdout
+    assert "the top-3 ids then N=12 draws from the rest" in result.stdout
     reader = TopKCacheReader(output)
     assert reader.spec.head == head and reader.spec.k == head + n
     for i in range(4):

@@ -89,7 +89,7 @@ def test_top_p_stores_resume_split_and_repair_byte_identically(tmp_path):
 def _old_identity(attrs: dict) -> str:
     """A version-3 store's identity as version 3 readers compute it: SHA-256 of format, version and the fields
     version 3 had (every field but the top-p and the head + draws ones)."""
-    fields = {f.name for f in dataclasses.fields(CacheSpec)} - set(fmt.TOP_P_FIELDS) - set(fmt.HEAD_FIELDS)
+    fields = {f.name for f in dataclasses.fields(CacheSpec)} - set(fmt.KIND_FIELDS)
     described = {key: attrs[key] for key in fields} | dict(format=attrs["format"], version=attrs["version"])
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
@@ -134,7 +134,7 @@ def test_top_p_attributes_version_and_identity(tmp_path, monkeypatch):
     (dict(top_p=0.9, min_k=0), r"min_k=0: expected 1 <= min_k <= k=6"),
     (dict(top_p=0.9, min_k=7), r"min_k=7: expected 1 <= min_k <= k=6"),
     (dict(min_k=2), r"min_k=2 applies to a top-p store only"),
-    (dict(top_p=0.9, min_k=1, mode="sampled"), r"top_p=0.9 applies to a top-K store only, not mode='sampled'"),
+    (dict(top_p=0.9, min_k=1, mode="sampled"), r"top_p=0.9 applies to a top-p store only, not to a sampled store"),
 ])
 def test_cache_spec_refuses_bad_top_p(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -93,8 +93,8 @@ def test_tensor_parallel_rows_equal_single_rank_rows():
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(mode="topk", head=2), "applies to a store of draws"),
-    (dict(mode="sampled", head=2, proposal_temperature=1.5), "applies to a store of draws"),
+    (dict(mode="topk", head=2), "head=2 makes a head \\+ draws store, of mode 'sampled', not mode='topk'"),
+    (dict(mode="sampled", head=2, proposal_temperature=1.5), "the draws beside a head follow the teacher itself"),
     (dict(mode="sampled", head=8), "expected 1 <= head < k=8"),
 ])
 def test_spec_refuses_a_head_it_cannot_store(fields, message):

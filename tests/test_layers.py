@@ -98,7 +98,7 @@ def violations(sources: dict[str, str], packages: set[str], cache_exports: set[s
 def test_every_import_goes_down_the_layers():
     sources = package_sources()
     assert {"megatron_kd_plugin.recipes.tiny", "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.models.hf",
-            "megatron_kd_plugin.bridge.provider", "megatron_kd_plugin.cache.topk_rows"} <= set(sources)
+            "megatron_kd_plugin.bridge.provider", "megatron_kd_plugin.cache.slot_rows"} <= set(sources)
     packages = {m for m in sources if m in FOLDERS or (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
     cache = importlib.import_module(STORE_INTERFACE)
     assert violations(sources, packages, set(cache.__all__)) == []
@@ -132,3 +132,71 @@ def test_no_two_modules_share_a_file_name():
     packages = {module.rsplit(".", 1)[-1] for module in package_sources()
                 if (ROOT.joinpath(*module.split(".")[1:]) / "__init__.py").is_file()}
     assert [name for name, count in names.items() if count > 1 and name not in packages] == []
+
+
+def import_circles(sources: dict[str, str], packages: set[str]) -> list[list[str]]:
+    """Every import circle among the package's modules (the strongly connected components of more than one module,
+    or of one that imports itself): every import statement counts, the lazy ones inside functions too, but not the
+    annotations-only ones under ``if TYPE_CHECKING:``."""
+    graph = {}
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        for node in ast.walk(tree):                   # drop TYPE_CHECKING blocks before collecting
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = [ast.Pass()]
+        edges = set()
+        for target, names, _ in imports_of(module, ast.unparse(tree), module in packages):
+            submodules = [f"{target}.{name}" for name in names if f"{target}.{name}" in sources]
+            # ``from package import submodule`` needs only the submodule: the package's __init__ runs first anyway
+            for imported in submodules + ([target] if len(submodules) < len(names) or not names else []):
+                if imported in sources and imported != module:
+                    edges.add(imported)
+        graph[module] = edges
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):                                  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def _packages(sources: dict[str, str]) -> set[str]:
+    return {m for m in sources if m in FOLDERS or (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
+
+
+def test_no_import_circles():
+    """No module of the package imports, directly or through others, a module that imports it (issue #40)."""
+    sources = package_sources()
+    assert import_circles(sources, _packages(sources)) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    planted = {"megatron_kd_plugin.loss.a": "from . import b\n",
+               "megatron_kd_plugin.loss.b": "def f():\n    from megatron_kd_plugin.loss.c import x\n",
+               "megatron_kd_plugin.loss.c": "from .a import y\n",
+               "megatron_kd_plugin.loss.d": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from .e import z\n",
+               "megatron_kd_plugin.loss.e": "from .d import w\n"}
+    assert import_circles(planted, set()) == [["megatron_kd_plugin.loss.a", "megatron_kd_plugin.loss.b",
+                                               "megatron_kd_plugin.loss.c"]]

@@ -38,7 +38,7 @@ rate of each, their ratio, and the bytes/token of ``chunk_records``.
 stdlib ``*.py`` sources, tokenized by a byte-level BPE trained on them, ``--vocab``'s first entry ids) with and without
 the cross-tokenizer arrays, and prints the added bytes/token (the realised log-probs; the byte table once per store)
 and the reader's teacher tokens/s (CPU seconds of this process, random order), first pass and steady state: the
-same-tokenizer rows (``KDRows`` of ``TopKRows``) next to the cross-tokenizer ones (``CrossTokenizerRows``: read,
+same-tokenizer rows (``KDRows`` of ``SlotRows``) next to the cross-tokenizer ones (``CrossTokenizerRows``: read,
 re-tokenise with a student tokenizer trained on the same text, align, cut, map the pair tokens' top-K; each sample's
 alignment is kept after its first read) with its alignments made three ways before or during the first pass: on each
 sample's first read, all at once by ``StudentAlignments.prepare`` (batch encode), or mapped from the sidecar folder; in
@@ -73,7 +73,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from megatron_kd_plugin.cache import TopKCacheReader  # noqa: E402
 from megatron_kd_plugin.cache import format as fmt  # noqa: E402
-from megatron_kd_plugin.commands.inspect import stored_bytes, topk_statistics  # noqa: E402
+from megatron_kd_plugin.cache.kinds.top_k_store import topk_statistics  # noqa: E402
+from megatron_kd_plugin.commands.inspect import stored_bytes  # noqa: E402
 from megatron_kd_plugin.cache.sources import TokenWindows, indexed_dataset_windows  # noqa: E402
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk  # noqa: E402
 from megatron_kd_plugin.cache.writer import write_cache  # noqa: E402

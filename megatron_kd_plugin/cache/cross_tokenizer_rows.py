@@ -45,9 +45,9 @@ class CrossTokenizerRows(RowKind):
             raise ValueError(f"model.context_parallel_size={context_parallel_size} with a cross-tokenizer student "
                              "(dataset.student_tokenizer): segments would be split across CP ranks; use 1")
         check_options(options)
-        if options.token_weight > 0 and self.reader.spec.mode != "topk":
+        if options.token_weight > 0 and not self.reader.spec.kind.exact_slots:
             raise ValueError(f"kd.token_weight={options.token_weight} needs the teacher's top-K, and "
-                             f"{self.reader.path} holds draws; write it without --draws")
+                             f"{self.reader.path} is a {self.reader.spec.kind.name} store; write it without --draws")
         return []
 
     def rows_per_sample(self) -> int:

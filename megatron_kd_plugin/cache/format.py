@@ -118,13 +118,18 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
+from megatron_kd_plugin.cache.array_names import (ARRAYS, DRAW_WEIGHTS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
+                                                   PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
+                                                   VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
+from megatron_kd_plugin.cache.kinds import MODES, STORE_KINDS, StoreKind, check_kind_fields, store_kind
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.logprob_grid import LogprobGridZarr
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"
 SAMPLED_FORMAT_NAME = "megatron_kd_plugin.sampled_cache"
 FORMAT_NAMES = {"topk": FORMAT_NAME, "sampled": SAMPLED_FORMAT_NAME}
-"""The ``format`` attribute of each ``mode``."""
+"""The ``format`` attribute of each ``mode`` (``kinds.MODES``)."""
+assert set(FORMAT_NAMES) == set(MODES)
 FORMAT_VERSION = 5
 """The version every new store is written in. 5: ``.`` chunk keys (one folder per array, one file per shard) and no
 ``shard_done`` array (a shard is written when its ``chunk_records`` file exists), issue #37; 4: version 3 plus
@@ -133,22 +138,9 @@ reader refused them by their version; 3: the attributes' SHA-256 identity and ``
 its place (2: without them; read with a warning); 2 to 4: CRC32C on every chunk and fill values no written chunk
 holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
 READ_VERSIONS = (2, 3, 4, 5)
-TOP_P_FIELDS = ("top_p", "min_k")
-"""The :class:`CacheSpec` fields of a top-p store; absent from the attributes and the identity of other stores."""
-HEAD_FIELDS = ("head",)
-"""The :class:`CacheSpec` fields of a head + draws store; absent from the attributes and the identity of others."""
-
-TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, RECORDS, SHARD_DONE = (
-    "tokens", "teacher_ids", "teacher_logprobs", "teacher_logsumexp", "teacher_proposal_lognorm", "chunk_records",
-    "shard_done")
-REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES = (
-    "teacher_realised_logprob", "teacher_vocab_offsets", "teacher_vocab_bytes")
-ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, REALISED_LOGPROB, VOCAB_OFFSETS, VOCAB_BYTES, RECORDS,
-          SHARD_DONE)
-VOCAB_TABLE = (VOCAB_OFFSETS, VOCAB_BYTES)
-"""The arrays stored once per store (one chunk each, not per sample)."""
-DRAW_WEIGHTS = "teacher_draw_weights"
-"""The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""
+KIND_FIELDS = tuple(dict.fromkeys(name for kind in STORE_KINDS for name in kind.described_fields))
+"""The :class:`CacheSpec` fields that only one kind's stores carry in their attributes and identity (top-p: ``top_p``,
+``min_k``; head + draws: ``head``; ``kinds.StoreKind.described_fields``)."""
 
 
 GRID8 = (1 / 40, 0.5, 0.5, 24.0)
@@ -185,16 +177,18 @@ REALISED_CODEC = LOGPROB_CODECS["fp16-bitround7"]
 
 DEFAULT_LOGPROB_CODEC = "grid8"
 DEFAULT_DRAWS_CODEC = "fp16-bitround7"
-"""The default of a sampled store: a grid's mass balance is a top-K row's (``logprob_grid.py``), and in a row of
-draws, where ids repeat and their probabilities sum past 1, it moves each repeat's code its own way (the distinct
-drawn mass decoded up to 1.07 on a confident teacher, ``tests/test_cache_store.py``)."""
+"""The default of a store of draws (``kinds.DrawsStore.default_codec``): a grid's mass balance is a top-K row's
+(``logprob_grid.py``), and in a row of draws, where ids repeat and their probabilities sum past 1, it moves each
+repeat's code its own way (the distinct drawn mass decoded up to 1.07 on a confident teacher,
+``tests/test_cache_store.py``)."""
+assert {kind.default_codec for kind in STORE_KINDS} == {DEFAULT_LOGPROB_CODEC, DEFAULT_DRAWS_CODEC}
 
 
-def check_logprob_codec(mode: str, codec: str) -> None:
-    """ValueError for a log-prob codec that cannot store this mode's rows (a grid for draws)."""
-    if mode == "sampled" and LOGPROB_CODECS[codec].grid is not None:
+def check_logprob_codec(kind: StoreKind, codec: str) -> None:
+    """ValueError for a log-prob codec that cannot store ``kind``'s rows (a grid for draws)."""
+    if not kind.grid_codec and LOGPROB_CODECS[codec].grid is not None:
         raise ValueError(f"log-prob codec {codec!r} with draws: its mass balance is a top-K row's and distorts the "
-                         f"log-probs of repeated draws; use {DEFAULT_DRAWS_CODEC!r} (the default with --draws) or "
+                         f"log-probs of repeated draws; use {kind.default_codec!r} (the default with --draws) or "
                          "'fp32'")
 
 
@@ -229,15 +223,16 @@ class CacheSpec:
     """Tokenizer identity (file name and content hash, or a name)."""
     fingerprint: str = ""
     """Content hash of the source token data and the windowing (seq_length, sample count)."""
-    logprob_codec: str = DEFAULT_LOGPROB_CODEC
-    """A key of :data:`LOGPROB_CODECS`."""
+    logprob_codec: str | None = None
+    """A key of :data:`LOGPROB_CODECS` (None: the kind's default, ``kinds.StoreKind.default_codec``)."""
     samples_per_shard: int | None = None
     """Samples per shard file, the unit one writer rank owns and the resume granularity (None:
     :func:`default_samples_per_shard` of ``seq_length``)."""
     store_logsumexp: bool = False
     """Also store the teacher's full-vocab logsumexp per token."""
     mode: str = "topk"
-    """``topk``: the K most likely ids; ``sampled``: N ids drawn from q ∝ p^(1/t) (``draws.py``)."""
+    """``topk``: the K most likely ids; ``sampled``: N ids drawn from q ∝ p^(1/t) (``draws.py``). With the fields
+    below it picks the store's kind (:attr:`kind`, ``kinds/``)."""
     proposal_temperature: float = 1.0
     """t of the sampled mode's proposal (1 in the top-K mode)."""
     sample_seed: int = 0
@@ -261,42 +256,26 @@ class CacheSpec:
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mode not in FORMAT_NAMES:
-            raise ValueError(f"mode={self.mode!r}; choose one of {sorted(FORMAT_NAMES)}")
-        if self.mode == "topk" and self.k > self.vocab_size:
-            raise ValueError(f"k={self.k} exceeds vocab_size={self.vocab_size}")
-        if self.mode == "topk" and (self.proposal_temperature != 1.0 or self.sample_seed != 0):
-            raise ValueError(f"proposal_temperature={self.proposal_temperature} / sample_seed={self.sample_seed} "
-                             "apply to the sampled mode only (mode='sampled')")
-        if not self.proposal_temperature > 0:
-            raise ValueError(f"proposal_temperature must be > 0, got {self.proposal_temperature}")
+        kind = store_kind(self)
+        for name, value in kind.defaults(self).items():
+            object.__setattr__(self, name, value)
+        if self.logprob_codec is None:
+            object.__setattr__(self, "logprob_codec", kind.default_codec)
+        check_kind_fields(self, kind)
+        kind.check(self)
         if self.vocab_bytes < 0:
             raise ValueError(f"vocab_bytes must be >= 0, got {self.vocab_bytes}")
-        if self.sample_seed < 0:
-            raise ValueError(f"sample_seed must be >= 0, got {self.sample_seed}")
         if self.vocab_size > 2**31:
             raise ValueError(f"vocab_size={self.vocab_size} does not fit int32 ids")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logprob_codec not in LOGPROB_CODECS:
             raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
-        if self.head:
-            if self.mode != "sampled" or self.proposal_temperature != 1.0:
-                raise ValueError(f"head={self.head} applies to a store of draws at proposal temperature 1 (mode "
-                                 f"'sampled'), not mode={self.mode!r} at t={self.proposal_temperature}")
-            if not 1 <= self.head < min(self.k, self.vocab_size):
-                raise ValueError(f"head={self.head}: expected 1 <= head < k={self.k} (k = head + draws) and < "
-                                 f"vocab_size={self.vocab_size}")
-        if self.top_p is None and self.min_k is not None:
-            raise ValueError(f"min_k={self.min_k} applies to a top-p store only (set top_p)")
-        if self.top_p is not None:
-            if self.mode != "topk":
-                raise ValueError(f"top_p={self.top_p} applies to a top-K store only, not mode={self.mode!r} (a sampled "
-                                 "store draws its ids from the whole distribution)")
-            if not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1")
-            if self.min_k is None or not 1 <= self.min_k <= self.k:
-                raise ValueError(f"min_k={self.min_k}: expected 1 <= min_k <= k={self.k}")
+
+    @property
+    def kind(self) -> StoreKind:
+        """The kind of store it describes (``kinds.store_kind``)."""
+        return store_kind(self)
 
     @property
     def logprob_dtype(self) -> str:
@@ -309,19 +288,14 @@ class CacheSpec:
         return REALISED_CODEC if codec.grid is not None else codec
 
     @property
-    def stores_proposal_lognorm(self) -> bool:
-        """A sampled store keeps G = logsumexp(l / t) per token only when t != 1 (else G = 0)."""
-        return self.mode == "sampled" and self.proposal_temperature != 1.0
-
-    @property
     def format_version(self) -> int:
         """The version a store of this spec is written in (:data:`FORMAT_VERSION`)."""
         return FORMAT_VERSION
 
     def described(self) -> dict[str, Any]:
-        """The fields as attributes: every field, the top-p ones (:data:`TOP_P_FIELDS`) only for a top-p store, the
-        head ones (:data:`HEAD_FIELDS`) only for a head + draws store."""
-        absent = (TOP_P_FIELDS if self.top_p is None else ()) + (HEAD_FIELDS if not self.head else ())
+        """The fields as attributes: every field, those only one kind carries (:data:`KIND_FIELDS`) only for a store
+        of that kind."""
+        absent = set(KIND_FIELDS) - set(self.kind.described_fields)
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in absent}
 
     @property
@@ -479,7 +453,7 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = Non
     empty group ``group``; every chunk chain ends with CRC32C."""
     version = spec.format_version if version is None else version
     n, s, k, p = spec.num_samples, spec.seq_length, spec.k, spec.samples_per_shard
-    slot = "rank" if spec.mode == "topk" else "draw"
+    slot = spec.kind.slot
     codec = LOGPROB_CODECS[spec.logprob_codec]
     nan = float("nan")
     create = functools.partial(group.create_array, **(dict(chunk_key_encoding=CHUNK_KEYS) if version >= 5 else {}))
@@ -490,7 +464,7 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = Non
            fill_value=-1, dimension_names=("sample", "position", slot))
     create(LOGPROBS, shape=(n, s, k), chunks=(1, s, k), shards=(p, s, k), dtype=codec.dtype,
            **_logprob_codecs(codec, k), fill_value=nan, dimension_names=("sample", "position", slot))
-    for name in [LOGSUMEXP] * spec.store_logsumexp + [PROPOSAL_LOGNORM] * spec.stores_proposal_lognorm:
+    for name in [LOGSUMEXP] * spec.store_logsumexp + list(spec.kind.token_arrays(spec)):
         create(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                compressors=[_blosc(4), Crc32cCodec()], fill_value=nan, dimension_names=("sample", "position"))
     if spec.cross_tokenizer:

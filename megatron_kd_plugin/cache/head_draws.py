@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_kd_plugin.cache.draws import draw_weights, vocab_parallel_draws
+from megatron_kd_plugin.cache.draws import vocab_parallel_draws
 from megatron_kd_plugin.cache.topk import group_size, vocab_parallel_topk
 
 
@@ -85,11 +85,3 @@ def head_draw_weights(logprobs: torch.Tensor, head: int) -> torch.Tensor:
     tail_mass = (1.0 - probs[..., :head].sum(-1, keepdim=True)).clamp_min(0.0)          # [..., 1] 1 - m
     draws = logprobs.shape[-1] - head
     return torch.cat([probs[..., :head], (tail_mass / draws).expand(*logprobs.shape[:-1], draws)], -1).float()
-
-
-def stored_draw_weights(spec, logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None) -> torch.Tensor:
-    """The weights of a sampled store's rows (``spec``: its ``format.CacheSpec``) from their decoded log-probs
-    ``[..., K]`` (and G ``[...]`` when stored): :func:`head_draw_weights` with a head, else ``draws.draw_weights``."""
-    if spec.head:
-        return head_draw_weights(logprobs, spec.head)
-    return draw_weights(logprobs, proposal_lognorm, spec.proposal_temperature)

@@ -3,8 +3,8 @@
 ``reader[i]`` is sample i: ``tokens`` int64 ``[S+1]``, ``teacher_ids`` int64 ``[S, K]`` (sorted ascending per
 row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
 a sampled store (K = N draws) also carry ``teacher_draw_weights`` float32 ``[S, K]``, the importance weights
-w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by ``draws.draw_weights`` (a head + draws
-store's: ``head_draws.head_draw_weights``).
+w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by the store's kind
+(``kinds.StoreKind.weights``).
 A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
 ``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). A student's training
 rows are read by the store's kind of rows (``rows.py``). Opening refuses an unfinished store and one whose metadata
@@ -24,7 +24,6 @@ import torch
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.records import SampleReader
-from megatron_kd_plugin.cache.head_draws import stored_draw_weights
 
 
 class TopKCacheReader:
@@ -100,8 +99,7 @@ class TopKCacheReader:
         for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB):
             if name in arrays:
                 out[name] = torch.from_numpy(arrays[name].astype(np.float32))
-        if self.spec.mode == "sampled":
-            lognorm = arrays.get(fmt.PROPOSAL_LOGNORM)
-            out[fmt.DRAW_WEIGHTS] = stored_draw_weights(self.spec, out[fmt.LOGPROBS], None if lognorm is None else
-                                                        torch.from_numpy(lognorm.copy()))
+        stored = out | {name: torch.from_numpy(arrays[name].copy()) for name in self.spec.kind.token_arrays(self.spec)}
+        for weights in self.spec.kind.weights(self.spec, stored):
+            out[fmt.DRAW_WEIGHTS] = weights
         return out

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from megatron_kd_plugin.cache.cross_tokenizer_rows import CrossTokenizerRows
 from megatron_kd_plugin.cache.rows import RowKind
-from megatron_kd_plugin.cache.sampled_rows import SampledRows
-from megatron_kd_plugin.cache.topk_rows import TopKRows
+from megatron_kd_plugin.cache.slot_rows import SlotRows
 
-ROW_KINDS: tuple[type[RowKind], ...] = (CrossTokenizerRows, SampledRows, TopKRows)
+ROW_KINDS: tuple[type[RowKind], ...] = (CrossTokenizerRows, SlotRows)
 """Every kind, the first that serves a store and student wins."""
 
 
@@ -21,4 +20,4 @@ def row_kind(reader, *, seq_length: int, student=None, alignments: str = "sideca
     for kind in ROW_KINDS:
         if kind.serves(reader.spec, student):
             return kind(reader, seq_length=seq_length, student=student, alignments=alignments)
-    raise ValueError(f"{reader.path}: no kind of row serves a {reader.spec.mode} store")
+    raise ValueError(f"{reader.path}: no kind of row serves a {reader.spec.kind.name} store")

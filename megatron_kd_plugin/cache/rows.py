@@ -1,7 +1,7 @@
 """Student training rows read from a store: the typed row, the protocol every kind of teacher row follows, and the
 map-style dataset Megatron's samplers index.
 
-A kind of row (``topk_rows``, ``sampled_rows``, ``cross_tokenizer_rows``; ``row_kinds`` looks one up for a store and
+A kind of row (``slot_rows``: any store read with the teacher's tokenizer; ``cross_tokenizer_rows``; ``row_kinds`` looks one up for a store and
 a student) says in one place what the store holds for it (``serves``), how a row is read (``row``: a ``KDRow`` whose
 ``teacher`` is the kind's typed teacher, which picks the loss: ``megatron_kd_plugin.loss.step``) and what it needs of
 the run (``check``). Nothing else tests which kind a store or a row is.

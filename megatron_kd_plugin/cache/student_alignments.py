@@ -86,7 +86,7 @@ class StudentAlignments:
     def __init__(self, reader, student):
         self.reader, self.student = reader, student
         self.teacher = reader.vocab_table()
-        self.with_slots = reader.spec.mode == "topk"
+        self.with_slots = reader.spec.kind.exact_slots
         self._alignments: dict[int, SampleAlignment] = {}
         self._mapped: dict[str, np.ndarray] | None = None
         self._sidecar: pathlib.Path | None = None

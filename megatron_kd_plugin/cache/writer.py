@@ -44,9 +44,7 @@ from megatron_kd_plugin.cache.chunk_reader import REPAIR
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
-from megatron_kd_plugin.cache.draws import draw_uniforms, vocab_parallel_draws
-from megatron_kd_plugin.cache.head_draws import vocab_parallel_head_draws
-from megatron_kd_plugin.cache.topk import top_p_mask, vocab_parallel_label_logprobs, vocab_parallel_topk
+from megatron_kd_plugin.cache.topk import vocab_parallel_label_logprobs
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
@@ -213,34 +211,9 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
 def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
                  labels: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of logits ``[s, b, V/tp]``
-    whose first sample is ``first_sample``: top-K ids sorted ascending, or the sampled mode's sorted draws (after
-    the sorted head, with one: ``head_draws.py``); and,
-    for a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
-    if spec.head:
-        s, b = logits.shape[:2]
-        uniforms = draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k - spec.head)
-        head_draws = vocab_parallel_head_draws(logits, uniforms, spec.head, temperature=spec.temperature,
-                                               tp_group=tp_group)
-        rows = {fmt.IDS: head_draws.ids, fmt.LOGPROBS: head_draws.logprobs, fmt.LOGSUMEXP: head_draws.logsumexp}
-        finite = head_draws.finite
-    elif spec.mode == "sampled":
-        s, b = logits.shape[:2]
-        draw = vocab_parallel_draws(logits, draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
-                                     temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
-                                     tp_group=tp_group)
-        rows = {fmt.IDS: draw.ids, fmt.LOGPROBS: draw.logprobs, fmt.LOGSUMEXP: draw.logsumexp,
-                fmt.PROPOSAL_LOGNORM: draw.proposal_lognorm}
-        finite = draw.finite
-    else:
-        top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
-        ids, logprobs = top.ids, top.logprobs                                    # [s, b, K] rank order
-        if spec.top_p is not None:                    # padding: id 0 with log-prob -inf, first in the row
-            keep = top_p_mask(logprobs, spec.top_p, spec.min_k)
-            ids = torch.where(keep, ids, -1)
-            logprobs = torch.where(keep, logprobs, -torch.inf)
-        ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
-        rows = {fmt.IDS: ids.clamp(min=0), fmt.LOGPROBS: logprobs.gather(-1, order), fmt.LOGSUMEXP: top.logsumexp}
-        finite = top.finite
+    whose first sample is ``first_sample``: the rows of the store's kind (``kinds.StoreKind.teacher_rows``) and, for
+    a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
+    rows, finite = spec.kind.teacher_rows(logits, spec, first_sample=first_sample, tp_group=tp_group)
     if spec.cross_tokenizer:
         rows[fmt.REALISED_LOGPROB] = vocab_parallel_label_logprobs(logits, labels, rows[fmt.LOGSUMEXP],
                                                                    temperature=spec.temperature,
@@ -253,8 +226,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
     place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes)."""
     names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS)]
-    dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.LOGSUMEXP: np.float32,
-              fmt.PROPOSAL_LOGNORM: np.float32, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
+    dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     out: dict[str, np.ndarray] = {}
     tokens = torch.from_numpy(windows)
     for start in range(0, len(windows), micro_batch_size):
@@ -275,7 +247,7 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         for name in names:
             values = rows[name].transpose(0, 1).cpu().numpy()                    # [b, s, ...]
             if name not in out:
-                out[name] = np.empty((len(windows),) + values.shape[1:], dtype=dtypes[name])
+                out[name] = np.empty((len(windows),) + values.shape[1:], dtype=dtypes.get(name, np.float32))
             out[name][start:start + len(values)] = values
         stats.tokens += batch.numel()
     return {fmt.TOKENS: windows.astype(np.int32)} | out if out else {}
@@ -398,18 +370,16 @@ def refuse_while_written(output) -> None:
 def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
                 temperature: float = 1.0, logprob_codec: str | None = None,
                 samples_per_shard: int | None = None, store_logsumexp: bool = False, micro_batch_size: int = 1,
-                mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0,
-                top_p: float | None = None, min_k: int | None = None, head: int = 0, overwrite: bool = False,
+                mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0, overwrite: bool = False,
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 on_shard_written: Callable[[int], None] = lambda shards_written: None,
-                vocab_table=None) -> WriteStats:
+                vocab_table=None, **kind_fields) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
-    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``); with
-    ``head`` > 0, the top-``head`` ids then ``k - head`` draws from the rest (``head_draws.py``).
-    ``top_p`` (with ``min_k``, default 1) keeps per token the smallest set of its top-``k`` ids whose mass reaches
-    ``top_p``, at least ``min_k`` of them; the other slots are padding (``format.CacheSpec.top_p``).
+    ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
+    ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and
+    ``min_k`` for a top-p store, ``head`` for a head + draws store).
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
     store: it also holds the byte table and each token's realised log-prob (``format.py``).
 
@@ -425,9 +395,6 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     run writes the store; OSError naming ``output`` when it cannot be created or the disk fills. """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if logprob_codec is None:
-        logprob_codec = fmt.DEFAULT_DRAWS_CODEC if mode == "sampled" else fmt.DEFAULT_LOGPROB_CODEC
-    fmt.check_logprob_codec(mode, logprob_codec)
     output = fmt.local_path(output)
     share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
@@ -435,8 +402,8 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
                          proposal_temperature=proposal_temperature, sample_seed=sample_seed,
-                         vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes), top_p=top_p,
-                         min_k=min_k if min_k is not None or top_p is None else 1, head=head)
+                         vocab_bytes=0 if vocab_table is None else len(vocab_table.bytes), **kind_fields)
+    fmt.check_logprob_codec(spec.kind, spec.logprob_codec)
     check_vocab(source, vocab_size)
     if vocab_table is not None and len(vocab_table.offsets) != vocab_size + 1:
         raise ValueError(f"the teacher tokenizer's byte table covers {len(vocab_table.offsets) - 1} ids, the teacher's "

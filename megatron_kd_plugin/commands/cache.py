@@ -50,7 +50,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.kinds import store_kind
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,7 +131,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.proposal_temperature is not None and not args.proposal_temperature > 0:
         p.error(f"--proposal-temperature={args.proposal_temperature}: expected > 0")
     if args.logprob_codec is not None:
-        fmt.check_logprob_codec(args.mode, args.logprob_codec)   # ValueError: one line, before the teacher loads
+        fmt.check_logprob_codec(store_kind(args), args.logprob_codec)   # ValueError: one line, before the teacher loads
     check_top_p(args)
     return args
 
@@ -337,9 +339,8 @@ def report(args, source, stats) -> None:
     """The run's summary lines (printed by the first writer of the last pipeline stage)."""
     stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
     tokens = len(source) * source.seq_length
-    slots = f"K={args.slots}" if args.mode == "topk" else f"sampled N={args.draws}"
-    slots += f" after the top-{args.head}" if args.head else ""
-    slots += f", top-p {args.top_p} (min-k {args.min_k})" if args.top_p is not None else ""
+    spec = TopKCacheReader(args.output).spec
+    slots = spec.kind.describe(spec)
     print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
           f"{stored / tokens:.1f} bytes/token on disk", flush=True)
     if stats.tokens:

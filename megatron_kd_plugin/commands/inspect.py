@@ -31,24 +31,6 @@ from megatron_kd_plugin.cache.records import SampleReader, verify_shards
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
 
-def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(top-K mass ``[...]``, K+1-bucket entropy ``[...]``) of log-probs ``[..., K]`` (-inf: a padding slot)."""
-    logprobs = logprobs.astype(np.float64)
-    p = np.exp(logprobs)
-    mass = p.sum(-1)
-    tail = np.clip(1.0 - mass, 0.0, 1.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        tail_term = np.where(tail > 0, tail * np.log(tail), 0.0)
-        return mass, -np.where(p > 0, p * logprobs, 0.0).sum(-1) - tail_term
-
-
-def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct ids ``[...]``, teacher mass of the distinct ids ``[...]``) of sorted draws ``[..., N]``."""
-    first = np.ones(ids.shape, dtype=bool)
-    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
-    return first.sum(-1), np.where(first, np.exp(logprobs.astype(np.float64)), 0.0).sum(-1)
-
-
 def stored_bytes(path: pathlib.Path) -> dict[str, int]:
     """Bytes on disk per top-level entry of the store, zarr's temporaries (``*.partial``) left out."""
     def size(entry: pathlib.Path) -> int:
@@ -87,12 +69,7 @@ def describe(path, samples: int = 256, check: bool = False,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checked = SampleReader(path, group, spec)
-    slots = f"top-K, K={spec.k}" if spec.mode == "topk" else \
-        f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"
-    if spec.top_p is not None:
-        slots = f"top-p, P={spec.top_p}, min-k={spec.min_k}, at most K={spec.k} ids per token (the rest padding)"
-    if spec.head:
-        slots = f"head + draws, the top-{spec.head} ids then N={spec.k - spec.head} draws from the rest per token"
+    slots = spec.kind.describe(spec)
     lines = [f"store {path}", f"mode: {slots}", json.dumps(dict(group.attrs), indent=1, sort_keys=True)]
     lines += [f"warning: {warning.message}" for warning in caught]
     missing = files.missing_samples()
@@ -119,15 +96,8 @@ def describe(path, samples: int = 256, check: bool = False,
     stats: dict[str, np.ndarray] = {}
     if len(picked):
         rows = [checked.read(int(i)) for i in picked]
-        logprobs = np.stack([row[fmt.LOGPROBS] for row in rows])
-        if spec.mode == "sampled":
-            distinct, mass = sampled_statistics(np.stack([row[fmt.IDS] for row in rows]), logprobs)
-            stats = {"distinct ids": distinct.ravel(), "mass of the drawn ids": mass.ravel()}
-        else:
-            mass, entropy = topk_statistics(logprobs)
-            kept = {} if spec.top_p is None else {"kept ids per token": np.isfinite(logprobs).sum(-1).ravel()}
-            stats = kept | {"top-K mass" if spec.top_p is None else "mass kept": mass.ravel(),
-                            "entropy (nats, K+1 buckets)": entropy.ravel()}
+        stats = spec.kind.statistics(np.stack([row[fmt.IDS] for row in rows]),
+                                     np.stack([row[fmt.LOGPROBS] for row in rows]))
         header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
         lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
         for name, values in stats.items():

@@ -417,16 +417,6 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from-scratch", action="store_true", help="the first demo instead: a GPT teacher and "
-                        "students trained from random weights (demo --from-scratch --help)")
-    parser.add_argument("--student-tokenizer", metavar="unigram|bpe|PATH", help="the cross-tokenizer comparison "
-                        "instead: students with another tokenizer distilled from the same cache, in held-out bits "
-                        "per byte (demo --student-tokenizer unigram --help)")
-    parser.add_argument("--mixture", action="store_true", help="the data-mixture ablation instead: two domains cached "
-                        "once each, the student healed on several blends (demo --mixture --help)")
-    parser.add_argument("--tokenizer-transfer", metavar="unigram|bpe|PATH", help="the tokenizer-transfer demo "
-                        "instead: the teacher's weights with a new tokenizer, healed by cross-tokenizer KD against CE "
-                        "(demo --tokenizer-transfer unigram --help)")
     parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -440,22 +430,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--from-scratch" in argv:
-        from megatron_kd_plugin.demo import scratch
-
-        return scratch.main([arg for arg in argv if arg != "--from-scratch"])
-    if "--mixture" in argv:
-        from megatron_kd_plugin.demo import mixture
-
-        return mixture.main([arg for arg in argv if arg != "--mixture"])
-    if any(arg == "--student-tokenizer" or arg.startswith("--student-tokenizer=") for arg in argv):
-        from megatron_kd_plugin.demo import student_tokenizer
-
-        return student_tokenizer.main(argv)
-    if any(arg == "--tokenizer-transfer" or arg.startswith("--tokenizer-transfer=") for arg in argv):
-        from megatron_kd_plugin.demo import tokenizer_transfer
-
-        return tokenizer_transfer.main(argv)
     args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
                                                ("heal_steps", args.heal_steps)) if value is not None}

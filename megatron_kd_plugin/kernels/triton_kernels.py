@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_kd_plugin.kernels import interpreting
+from megatron_kd_plugin.kernels.runtime import interpreting
 
 
 def _row_stats(logits_ptr, ids_ptr, exclude_ptr, max_ptr, sumexp_ptr, gathered_ptr, Vp, J, E, span, n_splits,

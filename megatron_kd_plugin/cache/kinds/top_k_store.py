@@ -1,0 +1,70 @@
+"""Top-K stores (``cache --topk K``, the default): per token the teacher's K most probable ids, sorted ascending by
+id, and their full-vocab log-probs (``format.py``; ``topk.vocab_parallel_topk``). Rows are a ``loss.TopKTeacher``;
+every loss tail but ``sampled`` serves them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP
+from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
+from megatron_kd_plugin.cache.topk import vocab_parallel_topk
+from megatron_kd_plugin.loss import KDLossOptions, TopKTeacher
+
+
+def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(top-K mass ``[...]``, K+1-bucket entropy ``[...]``) of log-probs ``[..., K]`` (-inf: a padding slot)."""
+    logprobs = logprobs.astype(np.float64)
+    p = np.exp(logprobs)
+    mass = p.sum(-1)
+    tail = np.clip(1.0 - mass, 0.0, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tail_term = np.where(tail > 0, tail * np.log(tail), 0.0)
+        return mass, -np.where(p > 0, p * logprobs, 0.0).sum(-1) - tail_term
+
+
+class TopKStore(StoreKind):
+    """The teacher's top-K per token (module docstring)."""
+
+    name = "top-K"
+    mode = "topk"
+    slot = "rank"
+    default_codec = "grid8"
+    grid_codec = True
+    exact_slots = True
+    teacher_type = TopKTeacher
+
+    def holds(self, spec) -> bool:
+        return spec.mode == self.mode
+
+    def check(self, spec) -> None:
+        if spec.k > spec.vocab_size:
+            raise ValueError(f"k={spec.k} exceeds vocab_size={spec.vocab_size}")
+
+    def kept(self, spec, logprobs: torch.Tensor) -> torch.Tensor | None:
+        """bool ``[..., K]``: which ranked slots (log-prob descending) a row keeps, the rest padding; None: all."""
+        return None
+
+    def teacher_rows(self, logits, spec, *, first_sample, tp_group):
+        top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
+        ids, logprobs = top.ids, top.logprobs                                    # [s, b, K] rank order
+        keep = self.kept(spec, logprobs)
+        if keep is not None:                          # padding: id 0 with log-prob -inf, first in the row
+            ids = torch.where(keep, ids, -1)
+            logprobs = torch.where(keep, logprobs, -torch.inf)
+        ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
+        rows = {IDS: ids.clamp(min=0), LOGPROBS: logprobs.gather(-1, order), LOGSUMEXP: top.logsumexp}
+        return rows, top.finite
+
+    def check_tail(self, options: KDLossOptions, where: str) -> None:
+        if options.tail == "sampled":
+            raise ValueError(f"kd.tail='sampled' does not fit the {self.name} store {where}: it needs a store written "
+                             "with --draws N; use kd.tail='renorm' (a student from trained weights) or 'ghost'")
+
+    def describe(self, spec) -> str:
+        return f"top-K, K={spec.k}"
+
+    def statistics(self, ids, logprobs):
+        mass, entropy = topk_statistics(logprobs)
+        return {"top-K mass": mass.ravel(), "entropy (nats, K+1 buckets)": entropy.ravel()}
