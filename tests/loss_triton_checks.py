@@ -14,7 +14,7 @@ import torch
 from megatron_kd_plugin.kernels import reference
 from megatron_kd_plugin.loss.chunk_backends import TorchChunks
 from tests.distributed import run_on_ranks
-from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, make_case, make_head_draws_case, make_ragged_case,
+from tests.test_loss_helpers import (COMBOS, SATURATED_COMBOS, combo, make_case, make_head_draws_case, make_ragged_case,
                                      make_sampled_case, make_saturated_case, make_small_tail_case, rel_err, run_loss)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +71,7 @@ def test_triton_fused_matches_dense_float64(tail, divergence):
     for options in OPTIONS:
         if tail == "renorm" and not options.get("with_labels"):
             continue
-        options = dict(options, tail=tail, divergence=divergence)
+        options = combo(options, tail=tail, divergence=divergence)
         _check(low, exact, options, 1e-5, **CHUNK)
 
 
@@ -172,7 +172,7 @@ def test_triton_fused_ragged_rows():
     low, exact = _on_device(make_ragged_case(s=3, b=5, hidden_size=11, vocab=VOCAB, k=5), torch.float32)
     for tail, divergence in (("ghost", "forward_kl"), ("ghost", "reverse_kl"), ("none", "forward_kl"),
                              ("renorm", "jsd")):
-        options = dict(OPTIONS[1] if tail == "renorm" else OPTIONS[0], tail=tail, divergence=divergence)
+        options = combo(OPTIONS[1] if tail == "renorm" else OPTIONS[0], tail=tail, divergence=divergence)
         _check(low, exact, options, 1e-5, **CHUNK)
 
 

@@ -305,7 +305,7 @@ def test_one_training_step_on_a_sampled_store_and_its_loss_equals_the_float64_sa
     assert math.isclose(sampled["fused"], sampled["manual"], rel_tol=1e-5), sampled
     assert len(sampled["history"]) == 1 and all(math.isfinite(v) for v in sampled["history"][0].values())
     assert "kd.tail='ghost' does not fit the sampled store" in sampled["refusals"][0]
-    assert "kd.tail='sampled' does not fit the topk store" in sampled["refusals"][1]
+    assert "kd.tail='sampled' does not fit the top-K store" in sampled["refusals"][1]
 
 
 def test_train_command_logs_each_interval_and_a_killed_run_keeps_its_history_and_events(runs, store, tmp_path):

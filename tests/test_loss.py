@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.test_loss_helpers import (COMBOS, make_case, make_sampled_case, one_thread,  # noqa: F401 (fixture)
+from tests.test_loss_helpers import (COMBOS, combo, make_case, make_sampled_case, one_thread,  # noqa: F401 (fixture)
                                      rel_err, run_loss, token_kd_from_definition)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,8 +41,8 @@ def test_matches_dense_float64(tail, divergence):
     case = make_case()
     for temperature in (1.0, 2.5):
         for alpha, with_labels in ((1.0, False), (0.3, True)):
-            options = dict(tail=tail, divergence=divergence, temperature=temperature, alpha=alpha,
-                           with_labels=with_labels, jsd_beta=0.3)
+            options = combo(dict(temperature=temperature, alpha=alpha, with_labels=with_labels, jsd_beta=0.3),
+                            tail=tail, divergence=divergence)
             _compare(case, options, [dict(f, chunk_bytes=10 * 123 * 8 * 2) for f in FAST], rtol=1e-6)
 
 
@@ -150,7 +150,8 @@ def test_dense_reference_matches_definition(tail, divergence):
     case = make_case(s=2, b=3, vocab=11, k=4)
     case["loss_mask"] = torch.ones_like(case["loss_mask"])
     tau, beta = 1.7, 0.3
-    result, _, _ = run_loss(case, impl="dense", tail=tail, divergence=divergence, temperature=tau, jsd_beta=beta)
+    result, _, _ = run_loss(case, impl="dense", **combo(dict(temperature=tau, jsd_beta=beta), tail=tail,
+                                                        divergence=divergence))
     z = case["hidden"] @ case["weight"].t()
     expected = sum(token_kd_from_definition(z[i, j], case["teacher_ids"][i, j], case["teacher_logprobs"][i, j],
                                             tail, divergence, tau, beta)[0] for i in range(2) for j in range(3))

@@ -88,6 +88,13 @@ def teacher_of(case) -> TopKTeacher | SampledTeacher:
     return TopKTeacher(case["teacher_ids"], case["teacher_logprobs"])
 
 
+def combo(options: dict, *, tail: str, divergence: str) -> dict:
+    """``options`` for one tail x divergence: their ``jsd_beta`` only where the divergence is JSD (elsewhere the
+    options refuse it: it would have no effect)."""
+    kept = {name: value for name, value in options.items() if name != "jsd_beta" or divergence == "jsd"}
+    return dict(kept, tail=tail, divergence=divergence)
+
+
 def run_loss(case, *, hidden=None, weight=None, **options):
     """topk_kd_loss forward + backward of loss_sum (a sampled case's draws with their weights); returns (result,
     d_hidden, d_weight)."""

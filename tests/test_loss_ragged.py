@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.test_loss_helpers import (COMBOS, make_ragged_case, one_thread, rel_err, run_loss,  # noqa: F401
+from tests.test_loss_helpers import (COMBOS, combo, make_ragged_case, one_thread, rel_err, run_loss,  # noqa: F401
                                      token_kd_from_definition)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,7 +47,7 @@ def ragged_errors(case, formulations, options_list, **loss_kwargs):
     errors = {}
     for tail, divergence in COMBOS:
         for o, options in enumerate(options_list):
-            options = dict(options, tail=tail, divergence=divergence)
+            options = combo(options, tail=tail, divergence=divergence)
             ref, ref_dh, ref_dw, ref_mass = reference(case, **options)
             assert ref.abs() > 0 and ref_dh.abs().max() > 0, options
             for f, formulation in enumerate(formulations):

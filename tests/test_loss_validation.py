@@ -129,8 +129,8 @@ def _without_weights(case):
 
 
 @pytest.mark.parametrize("tail,corrupt,message", [
-    ("sampled", _without_weights, r"a TopKTeacher with tail='sampled': tail='sampled' takes exactly a SampledTeacher"),
-    ("ghost", lambda case: case, r"a SampledTeacher with tail='ghost'"),
+    ("sampled", _without_weights, r"kd.tail='sampled' does not fit a TopKTeacher: its slots are a top-K"),
+    ("ghost", lambda case: case, r"kd.tail='ghost' does not fit a SampledTeacher: its slots are draws"),
     ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"][..., :2]),
      r"the slots' weights must be a float tensor shaped like their ids \(2, 3, 4\)"),
     ("sampled", lambda case: dict(case, draw_weights=case["draw_weights"].long()),

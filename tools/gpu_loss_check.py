@@ -8,7 +8,8 @@ The tests (tests/loss_triton_checks.py) hold the kernels to float64 at V <= 257,
 one split. Here V is gpt-oss's: for each input dtype (bf16 first, then fp32) and each chunk size (``--chunk-tokens``:
 0 = the loss's default budget, c ~ 1,300 tokens of bf16 logits on CUDA, so each row is one split streamed in ~25-98
 tiles; 16 = 25 splits of ~8K columns a row, merged by the split-merge step; T not a multiple of c, so the last chunk
-is partial), ghost tail, forward KL, 10 % of tokens masked:
+is partial), ghost tail, forward KL, 10 % of tokens masked; then, in bf16, a head + draws teacher (``--head-draws``:
+the exact top-8 of a full teacher and 40 draws from the rest, ``cache --head 8 --draws 40``) with the sampled tail:
 
   triton_recompute, triton_grad_in_forward   topk_kd_loss(impl="fused", kernels="triton", mode=...)
   torch_recompute, torch_grad_in_forward     topk_kd_loss(impl="fused", kernels="torch", mode=...), at the
@@ -30,6 +31,8 @@ import time
 
 import torch
 
+from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher
+
 BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 VARIANTS = (("triton", "grad_in_forward"), ("triton", "recompute"), ("torch", "grad_in_forward"),
             ("torch", "recompute"))
@@ -44,6 +47,8 @@ def _args(argv):
     parser.add_argument("--k", type=int, default=100, help="teacher ids per token")
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--chunk-tokens", default="0,16", help="tokens per Triton chunk; 0 = the loss's default")
+    parser.add_argument("--head-draws", default="8,40", help="HEAD,DRAWS of the head + draws teacher (bf16 only); "
+                        "'' skips it")
     return parser.parse_args(argv)
 
 
@@ -58,15 +63,27 @@ def _inputs(args, dtype, device):
     logprobs = (torch.randn(t, 1, k, generator=gen, dtype=torch.float64) * 2).log_softmax(-1) + torch.log(
         torch.tensor(0.9, dtype=torch.float64))
     mask = (torch.rand(t, 1, generator=gen) > 0.1).double()
-    return [x.to(device) for x in (hidden, weight, ids, logprobs.float(), mask)]
+    return [x.to(device) for x in (hidden, weight, mask)], TopKTeacher(ids.to(device), logprobs.float().to(device))
 
 
-def _run(hidden, weight, ids, logprobs, mask, **options):
+def _head_draws_teacher(args, device, head: int, draws: int) -> SampledTeacher:
+    """The head + draws rows ``[T, 1, head + draws]`` of a full teacher (its logits ``[T, 1, V]`` made on the
+    device), with their weights, as the cache writes and the reader reads them."""
+    from megatron_kd_plugin.cache.draws import draw_uniforms
+    from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    logits = torch.randn(args.tokens, 1, args.vocab, generator=gen, device=device) * 2
+    rows = vocab_parallel_head_draws(logits, draw_uniforms(1, 0, 1, args.tokens, draws).to(device), head)
+    return SampledTeacher(rows.ids.to(torch.int32), rows.logprobs.float(), head_draw_weights(rows.logprobs, head))
+
+
+def _run(hidden, weight, mask, teacher, **options):
     """(loss_sum, dX, dW) of one forward + backward."""
-    from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
+    from megatron_kd_plugin.loss import topk_kd_loss
 
     hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    result = topk_kd_loss(hidden, weight, TopKTeacher(ids, logprobs), loss_mask=mask, validate=False, **options)
+    result = topk_kd_loss(hidden, weight, teacher, loss_mask=mask, validate=False, **options)
     result.loss_sum.backward()
     return result.loss_sum.detach(), hidden.grad, weight.grad
 
@@ -97,16 +114,23 @@ def main(argv=None) -> int:
         return 2
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     chunk_tokens = [int(c) for c in args.chunk_tokens.split(",")]
-    print(f"Fused loss vs float64, V={args.vocab:,}, H={args.hidden:,}, T={args.tokens:,}, K={args.k}, ghost "
-          f"forward KL, {device.type}, torch {torch.__version__}; error = max|got - ref| / max|ref|")
-    print("| dtype | chunk (Triton) | variant | loss err | dX err | dW err | bound | s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print(f"Fused loss vs float64, V={args.vocab:,}, H={args.hidden:,}, T={args.tokens:,}, forward KL (top-K: ghost "
+          f"tail; head + draws: sampled), {device.type}, torch {torch.__version__}; error = max|got - ref| / max|ref|")
+    print("| teacher | dtype | chunk (Triton) | variant | loss err | dX err | dW err | bound | s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     worst, broken = 0.0, []
-    for name in args.dtypes.split(","):
+    cases = [(f"top-{args.k}", "ghost", name) for name in args.dtypes.split(",")]
+    if args.head_draws:
+        head, draws = (int(n) for n in args.head_draws.split(","))
+        cases.append((f"top-{head} + {draws} draws", "sampled", "bf16"))
+    for teacher_name, tail, name in cases:
         dtype = dtypes[name]
-        inputs = _inputs(args, dtype, device)
-        exact = [x.double() if x.is_floating_point() else x for x in inputs]
-        ref = _run(*exact, impl="dense")
+        (hidden, weight, mask), teacher = _inputs(args, dtype, device)
+        if tail == "sampled":
+            teacher = _head_draws_teacher(args, device, head, draws)
+        exact = [x.double() for x in (hidden, weight, mask)]
+        ref = _run(*exact, type(teacher)(*(x.double() if x.is_floating_point() else x for x in teacher)),
+                   impl="dense", tail=tail)
         assert all(float(r.abs().max()) > 0 for r in ref), "a zero reference cannot check anything"
         del exact
         for c in chunk_tokens:
@@ -115,17 +139,19 @@ def main(argv=None) -> int:
             layout = _layout(rows, args.vocab)
             for kernels, mode in VARIANTS if c == 0 else [v for v in VARIANTS if v[0] == "triton"]:
                 start = time.perf_counter()
-                got = _run(*inputs, impl="fused", kernels=kernels, mode=mode, chunk_bytes=chunk_bytes)
+                got = _run(hidden, weight, mask, teacher, impl="fused", kernels=kernels, mode=mode,
+                           chunk_bytes=chunk_bytes, tail=tail)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 errors = [_error(g, r) for g, r in zip(got, ref)]
                 ok = max(errors) <= BOUNDS[dtype]
                 worst = max(worst, max(errors) / BOUNDS[dtype])
                 if not ok:
-                    broken.append(f"{name} c={c} {kernels}_{mode}")
-                print(f"| {name} | {layout} | {kernels}_{mode} | " + " | ".join(f"{e:.2e}" for e in errors)
+                    broken.append(f"{teacher_name} {name} c={c} {kernels}_{mode}")
+                print(f"| {teacher_name} | {name} | {layout} | {kernels}_{mode} | "
+                      + " | ".join(f"{e:.2e}" for e in errors)
                       + f" | {BOUNDS[dtype]:.0e}{'' if ok else ' OVER'} | {time.perf_counter() - start:.2f} |")
-        del inputs, ref
+        del hidden, weight, mask, teacher, ref
     print(f"result: correctness {'ok' if not broken else 'FAILED: ' + ', '.join(broken)}: the worst error is "
           f"{worst:.2f}x its bound (V={args.vocab:,}, T={args.tokens:,}, {args.dtypes}, chunks {args.chunk_tokens})")
     return 1 if broken else 0

@@ -37,7 +37,8 @@ class KDLossOptions:
     on the tail mode's buckets. ``tail="none"`` supports only ``forward_kl``."""
 
     jsd_beta: float = 0.5
-    """beta of JSD_beta(P || Q) = beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q; in (0, 1)."""
+    """beta of JSD_beta(P || Q) = beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q; in (0, 1).
+    With ``divergence="jsd"`` only: another value beside another divergence is refused (it would have no effect)."""
 
     temperature: float = 1.0
     """tau > 0: student logits are divided by tau, teacher log-probs tempered as l / tau and renormalised within the
@@ -78,7 +79,8 @@ class KDLossOptions:
     in range) once up front; costs one host sync. Shapes and dtypes are always checked."""
 
     mass_tolerance: float = 1e-2
-    """How far the teacher's top-K mass may exceed 1 (rounding of fp16 log-probs) before it is an error."""
+    """How far the teacher's top-K mass may exceed 1 (rounding of fp16 log-probs) before it is an error; with
+    ``validate`` only (another value beside ``validate=False`` is refused)."""
 
     def __post_init__(self):
         self.check()
@@ -111,6 +113,12 @@ class KDLossOptions:
             raise ValueError(f"chunk_bytes={self.chunk_bytes!r}: expected a positive int or None")
         if not self.mass_tolerance >= 0.0:
             raise ValueError(f"mass_tolerance={self.mass_tolerance!r}: expected >= 0")
+        for name, needs, applies in (("jsd_beta", "divergence='jsd'", self.divergence == "jsd"),
+                                     ("mass_tolerance", "validate=True", self.validate)):
+            default = KDLossOptions.__dataclass_fields__[name].default
+            if getattr(self, name) != default and not applies:
+                raise ValueError(f"{name}={getattr(self, name)!r} has no effect without {needs}: remove it (the "
+                                 f"default is {default!r}) or set {needs}")
 
     def with_overrides(self, **overrides) -> KDLossOptions:
         """A checked copy with ``overrides`` (field names of this class) applied: what a loss call uses, so that a

@@ -19,10 +19,11 @@ class SampledTeacher(NamedTuple):
     logprobs: torch.Tensor   # [..., N] float the teacher's log-prob of each drawn id
     weights: torch.Tensor    # [..., N] float importance weights w = p / (N q') (``token_math``)
 
-    def check_tail(self, tail: str) -> None:
+    @classmethod
+    def check_tail(cls, tail: str, where: str = "a SampledTeacher") -> None:
         if tail != "sampled":
-            raise ValueError(f"a SampledTeacher with tail={tail!r}: tail='sampled' takes exactly a SampledTeacher "
-                             "(drawn ids with their importance weights), the other tails a TopKTeacher")
+            raise ValueError(f"kd.tail={tail!r} does not fit {where}: its slots are draws (with importance weights), "
+                             "not a top-K; use kd.tail='sampled'")
 
     def padded(self, k: int) -> SampledTeacher:
         """The same draws in ``k`` >= N slots: undrawn slots (id 0, log-prob -inf, weight 0) appended."""

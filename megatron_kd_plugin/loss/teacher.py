@@ -59,8 +59,10 @@ class SlotTeacher(Protocol):
     def weights(self) -> torch.Tensor | None:
         """[..., K] the slots' importance weights (None: every slot is a top-K entry)."""
 
-    def check_tail(self, tail: str) -> None:
-        """ValueError for a tail these slots cannot serve."""
+    @classmethod
+    def check_tail(cls, tail: str, where: str) -> None:
+        """ValueError, in one line naming the tail to use, for a ``kd.tail`` these slots cannot serve (``where``:
+        what holds them, for the message): the one place that decides which tails a kind of slots takes."""
 
     def buckets(self, *, tail: str, temperature: float, vocab_size: int) -> tuple[torch.Tensor, TeacherBuckets]:
         """[T, K] slots -> (ids [T, K] sorted per token in their dtype, a repeated id merged into its first slot;

@@ -22,10 +22,12 @@ class TopKTeacher(NamedTuple):
     def weights(self) -> None:
         return None
 
-    def check_tail(self, tail: str) -> None:
+    @classmethod
+    def check_tail(cls, tail: str, where: str = "a TopKTeacher") -> None:
         if tail == "sampled":
-            raise ValueError("a TopKTeacher with tail='sampled': tail='sampled' takes exactly a SampledTeacher (drawn "
-                             "ids with their importance weights), the other tails a TopKTeacher")
+            raise ValueError(f"kd.tail='sampled' does not fit {where}: its slots are a top-K, and the sampled tail "
+                             "needs draws (a store written with --draws N); use kd.tail='renorm' (a student from "
+                             "trained weights) or 'ghost'")
 
     def padded(self, k: int) -> TopKTeacher:
         """The same teacher in ``k`` >= K slots: padding slots (id 0, log-prob -inf: no support) appended."""

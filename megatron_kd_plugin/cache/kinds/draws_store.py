@@ -10,7 +10,7 @@ import numpy as np
 from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM
 from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
-from megatron_kd_plugin.loss import KDLossOptions, SampledTeacher
+from megatron_kd_plugin.loss import SampledTeacher
 
 
 def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,11 +55,6 @@ class DrawsStore(StoreKind):
 
     def weights(self, spec, rows):
         return (draw_weights(rows[LOGPROBS].float(), rows.get(PROPOSAL_LOGNORM), spec.proposal_temperature),)
-
-    def check_tail(self, options: KDLossOptions, where: str) -> None:
-        if options.tail != "sampled":
-            raise ValueError(f"kd.tail={options.tail!r} does not fit the {self.name} store {where}: its slots are "
-                             "draws, not a top-K; use kd.tail='sampled'")
 
     def describe(self, spec) -> str:
         return f"sampled, N={spec.k} draws per token, proposal temperature {spec.proposal_temperature}"

@@ -77,10 +77,10 @@ class StoreKind(abc.ABC):
         """The loss's typed teacher (``teacher_type``) of stored ``rows`` ``[..., K]``."""
         return self.teacher_type(rows[IDS], rows[LOGPROBS], *self.weights(spec, rows))
 
-    @abc.abstractmethod
     def check_tail(self, options: KDLossOptions, where: str) -> None:
         """ValueError, in one line naming the setting to change, for a ``kd.tail`` its rows cannot serve (``where``:
-        the store's path)."""
+        the store's path): their teacher type decides."""
+        self.teacher_type.check_tail(options.tail, f"the {self.name} store {where}")
 
     @abc.abstractmethod
     def describe(self, spec) -> str:

@@ -10,7 +10,7 @@ import torch
 from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
 from megatron_kd_plugin.cache.topk import vocab_parallel_topk
-from megatron_kd_plugin.loss import KDLossOptions, TopKTeacher
+from megatron_kd_plugin.loss import TopKTeacher
 
 
 def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,11 +56,6 @@ class TopKStore(StoreKind):
         ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
         rows = {IDS: ids.clamp(min=0), LOGPROBS: logprobs.gather(-1, order), LOGSUMEXP: top.logsumexp}
         return rows, top.finite
-
-    def check_tail(self, options: KDLossOptions, where: str) -> None:
-        if options.tail == "sampled":
-            raise ValueError(f"kd.tail='sampled' does not fit the {self.name} store {where}: it needs a store written "
-                             "with --draws N; use kd.tail='renorm' (a student from trained weights) or 'ghost'")
 
     def describe(self, spec) -> str:
         return f"top-K, K={spec.k}"
