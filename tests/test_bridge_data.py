@@ -59,10 +59,10 @@ def test_rows_are_windows_of_the_cache_with_shifted_labels(store):
         seen.add((sample, window))
         item, cached = train[row], reader[sample]
         begin = window * 8
-        assert torch.equal(item.tokens, cached["tokens"][begin:begin + 8].long())
-        assert torch.equal(item.labels, cached["tokens"][begin + 1:begin + 9].long())
-        assert torch.equal(item.teacher.ids.long(), cached["teacher_ids"][begin:begin + 8].long())
-        torch.testing.assert_close(item.teacher.logprobs, cached["teacher_logprobs"][begin:begin + 8].float())
+        assert torch.equal(item.tokens, cached.tokens[begin:begin + 8].long())
+        assert torch.equal(item.labels, cached.tokens[begin + 1:begin + 9].long())
+        assert torch.equal(item.teacher.ids.long(), cached.teacher.ids[begin:begin + 8].long())
+        torch.testing.assert_close(item.teacher.logprobs, cached.teacher.logprobs[begin:begin + 8].float())
         assert torch.equal(item.position_ids, torch.arange(8)) and bool((item.loss_mask == 1).all())
         assert item.teacher.ids.shape == item.teacher.logprobs.shape == (8, K)
     assert seen == {(s, w) for s in range(SAMPLES) for w in range(2)}   # one epoch covers every window once

@@ -123,7 +123,7 @@ def sampled_store_step(sampled_store, topk_store, reference_model) -> dict:
     batch = fixed_batch(cfg)
     dataset = cfg.dataset.build_datasets(DatasetBuildContext(train_samples=1, valid_samples=0, test_samples=0))[0]
     sample, window = dataset.window_of(0)
-    weights = TopKCacheReader(sampled_store)[sample]["teacher_draw_weights"][window * SEQ:(window + 1) * SEQ]
+    weights = TopKCacheReader(sampled_store)[sample].teacher.weights[window * SEQ:(window + 1) * SEQ]
     loss_sum, num_tokens, report = forward_step_loss(cfg, reference_model, batch)
     _, history = train(sampled_store, f"dataset.k={n}", "kd.tail=sampled", "train.train_iters=1")
     refusals = []

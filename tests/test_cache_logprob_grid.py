@@ -135,9 +135,9 @@ def test_a_store_written_with_the_default_reads_back_exactly_as_quantised(tmp_pa
         ids, order = top.ids[:, 0].sort(dim=-1)
         logprobs = top.logprobs[:, 0].gather(-1, order).numpy()
         sample = reader[i]
-        assert torch.equal(sample["teacher_ids"], ids)
+        assert torch.equal(sample.teacher.ids, ids)
         expected = codec.decode(codec.encode(logprobs)).reshape(logprobs.shape)
-        np.testing.assert_array_equal(sample["teacher_logprobs"].numpy(), expected)
+        np.testing.assert_array_equal(sample.teacher.logprobs.numpy(), expected)
         np.testing.assert_array_equal(group[fmt.LOGPROBS][i], expected)           # zarr's own read: the same
 
 
@@ -156,8 +156,8 @@ def test_a_store_of_the_codec_before_the_grid_is_still_read(tmp_path):
     reader = TopKCacheReader(tmp_path / "c")
     for i in range(N):
         window = torch.from_numpy(source.windows(i, i + 1)[0])
-        exact = torch.log_softmax(table.double()[window[:-1]], dim=-1).gather(-1, reader[i]["teacher_ids"])
-        error = (reader[i]["teacher_logprobs"].double() - exact).abs()
+        exact = torch.log_softmax(table.double()[window[:-1]], dim=-1).gather(-1, reader[i].teacher.ids)
+        error = (reader[i].teacher.logprobs.double() - exact).abs()
         assert (error <= (2.0 ** -8 + 2.0 ** -11) * exact.abs() + 1e-5).all()
 
 
@@ -175,7 +175,7 @@ def test_a_cross_tokenizer_store_under_the_grid_keeps_its_realised_logprobs_in_f
     reader = TopKCacheReader(tmp_path / "c")
     logp = torch.log_softmax(table.double(), -1)
     for i in range(N):
-        tokens = reader[i]["tokens"]
+        tokens = reader[i].tokens
         expected = logp[tokens[:-1], tokens[1:]]
-        error = (reader[i]["teacher_realised_logprob"].double() - expected).abs()
+        error = (reader[i].realised_logprob.double() - expected).abs()
         assert (error <= (2.0 ** -8 + 2.0 ** -11) * expected.abs() + 1e-5).all()

@@ -40,6 +40,14 @@ def write(path, source=None, logits_fn=None, **kwargs):
     return write_cache(source, logits_fn, path, **(options | kwargs))
 
 
+def same_sample(a, b) -> bool:
+    """Whether two ``reader[i]`` samples hold equal tensors (and the same fields)."""
+    def fields(sample):
+        return [sample.tokens, *sample.teacher, sample.logsumexp, sample.realised_logprob]
+    return type(a.teacher) is type(b.teacher) and all(
+        x is y if x is None or y is None else torch.equal(x, y) for x, y in zip(fields(a), fields(b)))
+
+
 def reference(table, tokens, temperature=1.0):
     """float64 (ids sorted ascending, log-probs in that order) for each row of a window [S+1]."""
     logprobs = torch.log_softmax(table.double()[tokens[:-1]] / temperature, dim=-1)         # [S, V]
@@ -63,15 +71,15 @@ def test_store_holds_the_teachers_topk(tmp_path, codec, relative):
         sample = reader[i]
         tokens = torch.from_numpy(source.windows(i, i + 1)[0])
         ids, logprobs = reference(table, tokens, 0.8)
-        assert torch.equal(sample["tokens"], tokens)
-        assert torch.equal(sample["teacher_ids"], ids)
-        assert sample["teacher_ids"].dtype == torch.int64 and sample["teacher_logprobs"].dtype == torch.float32
-        error = (sample["teacher_logprobs"].double() - logprobs).abs()
+        assert torch.equal(sample.tokens, tokens)
+        assert torch.equal(sample.teacher.ids, ids)
+        assert sample.teacher.ids.dtype == torch.int64 and sample.teacher.logprobs.dtype == torch.float32
+        error = (sample.teacher.logprobs.double() - logprobs).abs()
         assert (error <= relative * logprobs.abs() + 1e-5).all()        # 1e-5: float32 arithmetic
         if relative:
             assert (error > 1e-5).any()                                   # the codec really rounds
         lse = torch.logsumexp(table.double()[tokens[:-1]] / 0.8, dim=-1)
-        torch.testing.assert_close(sample["teacher_logsumexp"].double(), lse, atol=1e-5, rtol=0)
+        torch.testing.assert_close(sample.logsumexp.double(), lse, atol=1e-5, rtol=0)
 
 
 def test_fast_chunk_reads_equal_zarr_reads(tmp_path):
@@ -94,11 +102,11 @@ def test_windows_of_a_shorter_student_sequence(tmp_path):
     assert kind.rows_per_sample() == 3
     for sample, part in ((0, 0), (0, 1), (0, 2), (1, 0), (N - 1, 2)):
         row, full = kind.row(sample, part), reader[sample]
-        assert torch.equal(row.tokens, full["tokens"][4 * part:4 * part + 4])
-        assert torch.equal(row.labels, full["tokens"][4 * part + 1:4 * part + 5])
+        assert torch.equal(row.tokens, full.tokens[4 * part:4 * part + 4])
+        assert torch.equal(row.labels, full.tokens[4 * part + 1:4 * part + 5])
         assert row.teacher.ids.dtype == torch.int32
-        assert torch.equal(row.teacher.ids.long(), full["teacher_ids"][4 * part:4 * part + 4])
-        assert torch.equal(row.teacher.logprobs.float(), full["teacher_logprobs"][4 * part:4 * part + 4])
+        assert torch.equal(row.teacher.ids.long(), full.teacher.ids[4 * part:4 * part + 4])
+        assert torch.equal(row.teacher.logprobs.float(), full.teacher.logprobs[4 * part:4 * part + 4])
     with pytest.raises(ValueError, match="does not divide"):
         row_kind(reader, seq_length=5)
     with pytest.raises(IndexError):
@@ -249,8 +257,7 @@ def test_damaged_stores_raise_instead_of_reading_back_wrong_data(tmp_path, capsy
     else:
         with pytest.raises(ValueError, match="checksum"):
             group[array][sample]
-    for key, value in reader[untouched].items():
-        assert torch.equal(value, expected[key]), key
+    assert same_sample(reader[untouched], expected)
 
 
 def test_inspect_verify_passes_on_an_intact_store(tmp_path, capsys):
@@ -442,7 +449,7 @@ def test_jsonl_source_with_a_tokenizers_file(tmp_path):
     write(tmp_path / "c", source, table_teacher(vocab)[1], vocab_size=vocab, k=4)
     reader = TopKCacheReader(tmp_path / "c")
     assert reader.spec.tokenizer.startswith("tokenizer.json:sha256=")
-    assert reader[2]["tokens"].tolist() == expected[16:25]
+    assert reader[2].tokens.tolist() == expected[16:25]
     with pytest.raises(ValueError, match="tokenizer"):
         write(tmp_path / "d", source, table_teacher(vocab - 1)[1], vocab_size=vocab - 1, k=4)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": texts[0]}) + "\n" + json.dumps({"text": 123}) + "\n")
@@ -519,15 +526,15 @@ def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t)
         draw = vocab_parallel_draws(logits, draw_uniforms(4, i, 1, S, n), temperature=0.8,
                                      proposal_temperature=t)
         row = reader[i]
-        assert torch.equal(row["teacher_ids"], draw.ids[:, 0])
+        assert torch.equal(row.teacher.ids, draw.ids[:, 0])
         l = torch.log_softmax(table.double()[tokens[:-1]] / 0.8, dim=-1)                  # [S, V]
-        torch.testing.assert_close(row["teacher_logprobs"].double(), l.gather(-1, row["teacher_ids"]), atol=1e-5,
+        torch.testing.assert_close(row.teacher.logprobs.double(), l.gather(-1, row.teacher.ids), atol=1e-5,
                                    rtol=0)
-        expected = draw_weights(l.gather(-1, row["teacher_ids"]), torch.logsumexp(l / t, dim=-1), t)
-        torch.testing.assert_close(row[fmt.DRAW_WEIGHTS], expected.float(), atol=0, rtol=1e-5)
-        assert row[fmt.DRAW_WEIGHTS].shape == (S, n) and row[fmt.DRAW_WEIGHTS].dtype == torch.float32
+        expected = draw_weights(l.gather(-1, row.teacher.ids), torch.logsumexp(l / t, dim=-1), t)
+        torch.testing.assert_close(row.teacher.weights, expected.float(), atol=0, rtol=1e-5)
+        assert row.teacher.weights.shape == (S, n) and row.teacher.weights.dtype == torch.float32
     half = row_kind(reader, seq_length=S // 2).row(3, 1).teacher                    # a student's rows: the same
-    assert torch.equal(half.weights, reader[3][fmt.DRAW_WEIGHTS][S // 2:])            # weights, of its window
+    assert torch.equal(half.weights, reader[3].teacher.weights[S // 2:])            # weights, of its window
     with pytest.raises(ValueError, match="mode='topk' requested"):
         reader.validate(mode="topk")
 
@@ -580,7 +587,7 @@ def test_stores_written_before_the_sampled_mode_stay_readable(tmp_path):
         del attrs[key]
     group.attrs.put(attrs)
     reader = TopKCacheReader(tmp_path / "c")
-    assert reader.spec.mode == "topk" and fmt.DRAW_WEIGHTS not in reader[0]
+    assert reader.spec.mode == "topk" and reader[0].teacher.weights is None
 
 
 def _swap(first, second):
@@ -708,7 +715,7 @@ def test_a_reader_opened_before_the_store_was_replaced_says_so(tmp_path):
     for sample in range(N):
         with pytest.raises(ValueError, match=f"{tmp_path / 'c'} was replaced .* since this reader opened it"):
             reader[sample]
-    assert TopKCacheReader(tmp_path / "c")[0]["teacher_ids"].shape == (S, 5)
+    assert TopKCacheReader(tmp_path / "c")[0].teacher.ids.shape == (S, 5)
 
 
 @pytest.mark.parametrize("layout", ["chunk-only", "bad-zarr-json"])
@@ -791,7 +798,7 @@ def test_older_versions_read_and_are_rewritten_only_with_overwrite(tmp_path, ver
         reader = TopKCacheReader(tmp_path / "c")
     assert [str(w.message) for w in caught if "format version 2: its chunks are not bound" in str(w.message)
             and "plus --overwrite" in str(w.message)] != [] if version == 2 else caught == []
-    assert all(torch.equal(value, expected[i][key]) for i in range(N) for key, value in reader[i].items())
+    assert all(same_sample(reader[i], expected[i]) for i in range(N))
     from megatron_kd_plugin.commands.inspect import main as inspect_main
 
     assert inspect_main([str(tmp_path / "c"), "--verify", "--workers", "1"]) == 0

@@ -89,11 +89,11 @@ def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_sett
     assert len(reader) == 10 and reader.spec.teacher.startswith("teacher:sha256=")
     for i in range(10):
         sample = reader[i]
-        assert torch.equal(sample["tokens"], tokens[i])
+        assert torch.equal(sample.tokens, tokens[i])
         ref = logprobs[i]                                                              # [S, V]
         ids = torch.sort(ref, dim=-1, descending=True, stable=True).indices[:, :K].sort(dim=-1).values
-        assert torch.equal(sample["teacher_ids"], ids)
-        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, ids), atol=2e-5, rtol=0)
+        assert torch.equal(sample.teacher.ids, ids)
+        torch.testing.assert_close(sample.teacher.logprobs.double(), ref.gather(-1, ids), atol=2e-5, rtol=0)
     refused = subprocess.run(_cache_command(work / "teacher", str(work / "data"), output, "--num-samples", "10",
                                             "--topk", "4"), env=_env(1), capture_output=True, text=True, timeout=scaled(600))
     assert refused.returncode != 0 and "pass --overwrite" in refused.stderr and "k: requested 4" in refused.stderr
@@ -122,7 +122,7 @@ def test_torchrun_tp2_cross_tokenizer_store_holds_realised_logprobs_and_the_byte
     assert table.strings[3] == b"D" and table.strings[40] == "\u03b9".encode()   # two-byte UTF-8 letters too
     for i in range(6):
         realised = logprobs[i].gather(-1, tokens[i][1:, None]).squeeze(-1)            # [S]
-        torch.testing.assert_close(reader[i]["teacher_realised_logprob"].double(), realised, atol=2e-5, rtol=0)
+        torch.testing.assert_close(reader[i].realised_logprob.double(), realised, atol=2e-5, rtol=0)
     from megatron_kd_plugin.commands.cache import cross_tokenizer_table, parse_args
 
     args = parse_args(["--teacher", "t", "--data", "d", "--output", "o", "--seq-length", "4", "--cross-tokenizer"])
@@ -262,11 +262,11 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
     for i in range(6):
         sample, ref = reader[i], logprobs[i]                                           # ref: float64 [S, V]
         draw = vocab_parallel_draws(ref.unsqueeze(1), draw_uniforms(3, i, 1, S, n), proposal_temperature=t)
-        mismatched += int((sample["teacher_ids"] != draw.ids[:, 0]).sum())
-        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, sample["teacher_ids"]),
+        mismatched += int((sample.teacher.ids != draw.ids[:, 0]).sum())
+        torch.testing.assert_close(sample.teacher.logprobs.double(), ref.gather(-1, sample.teacher.ids),
                                    atol=2e-5, rtol=0)
-        expected = draw_weights(ref.gather(-1, sample["teacher_ids"]), torch.logsumexp(ref / t, dim=-1), t)
-        torch.testing.assert_close(sample["teacher_draw_weights"], expected.float(), atol=1e-6, rtol=1e-4)
+        expected = draw_weights(ref.gather(-1, sample.teacher.ids), torch.logsumexp(ref / t, dim=-1), t)
+        torch.testing.assert_close(sample.teacher.weights, expected.float(), atol=1e-6, rtol=1e-4)
     # float32 TP=2 logits vs the float64 TP=1 reference: a draw may flip only when its uniform falls within
     # ~1e-6 of a CDF step (the TP=2 == TP=1 identity on equal logits is tests/test_cache_draws.py's)
     assert mismatched <= 0.01 * 6 * S * n, mismatched
@@ -294,14 +294,14 @@ def test_head_and_draws_store_holds_the_exact_head_then_draws_of_the_rest(teache
     for i in range(4):
         sample, ref = reader[i], logprobs[i]                                           # ref: float64 [S, V]
         top = torch.sort(ref, dim=-1, descending=True, stable=True).indices[:, :head].sort(dim=-1).values
-        assert torch.equal(sample["teacher_ids"][:, :head], top)
-        assert not (sample["teacher_ids"][:, head:, None] == top[:, None, :]).any()
-        torch.testing.assert_close(sample["teacher_logprobs"].double(), ref.gather(-1, sample["teacher_ids"]),
+        assert torch.equal(sample.teacher.ids[:, :head], top)
+        assert not (sample.teacher.ids[:, head:, None] == top[:, None, :]).any()
+        torch.testing.assert_close(sample.teacher.logprobs.double(), ref.gather(-1, sample.teacher.ids),
                                    atol=2e-5, rtol=0)
-        torch.testing.assert_close(sample["teacher_draw_weights"].sum(-1), torch.ones(S), atol=1e-5, rtol=0)
+        torch.testing.assert_close(sample.teacher.weights.sum(-1), torch.ones(S), atol=1e-5, rtol=0)
     teacher = row_kind(reader, seq_length=S).row(0, 0).teacher
     assert isinstance(teacher, SampledTeacher)
-    torch.testing.assert_close(teacher.weights, reader[0]["teacher_draw_weights"])
+    torch.testing.assert_close(teacher.weights, reader[0].teacher.weights)
     assert inspect_main([str(output), "--samples", "4"]) == 0
     assert "mode: head + draws, the top-3 ids then N=12 draws from the rest per token" in capsys.readouterr().out
 

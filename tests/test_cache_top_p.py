@@ -56,9 +56,9 @@ def test_top_p_store_keeps_the_smallest_set_reaching_p(tmp_path):
         row = reader[i]
         clear = margin > 1e-5                                               # float32 cannot cut elsewhere
         assert clear.float().mean() > 0.9
-        assert torch.equal(row["teacher_ids"][clear], ids[clear])
-        assert torch.equal((row["teacher_logprobs"] > -torch.inf).sum(-1)[clear], kept[clear])
-        torch.testing.assert_close(row["teacher_logprobs"][clear].double(), logprobs[clear], atol=2e-6, rtol=0)
+        assert torch.equal(row.teacher.ids[clear], ids[clear])
+        assert torch.equal((row.teacher.logprobs > -torch.inf).sum(-1)[clear], kept[clear])
+        torch.testing.assert_close(row.teacher.logprobs[clear].double(), logprobs[clear], atol=2e-6, rtol=0)
         counts.append(kept)
     counts = torch.cat(counts)
     assert counts.min() == MIN_K and counts.max() == K and ((counts > MIN_K) & (counts < K)).any()
@@ -189,8 +189,8 @@ def test_top_p_rows_through_reader_dataset_loss_and_inspect(tmp_path, capsys):
         assert max(rel_err(got.loss_sum, ref), rel_err(dh, ref_dh), rel_err(dw, ref_dw)) < 1e-9
     assert inspect_main([str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
-    kept = np.concatenate([np.isfinite(reader[i]["teacher_logprobs"].numpy()).sum(-1) for i in range(N)])
-    mass = np.concatenate([np.exp(reader[i]["teacher_logprobs"].double().numpy()).sum(-1) for i in range(N)])
+    kept = np.concatenate([np.isfinite(reader[i].teacher.logprobs.numpy()).sum(-1) for i in range(N)])
+    mass = np.concatenate([np.exp(reader[i].teacher.logprobs.double().numpy()).sum(-1) for i in range(N)])
     assert f"mode: top-p, P={P}, min-k={MIN_K}, at most K={K} ids per token" in out
     line = next(line for line in out.splitlines() if "kept ids per token" in line).split()
     assert [int(v) for v in line[4:11]] == [int(v) for v in np.quantile(kept, (0, .05, .25, .5, .75, .95, 1),

@@ -562,14 +562,14 @@ def test_store_holds_realised_logprobs_and_byte_table_and_rows_follow(tmp_path, 
     logp = torch.log_softmax(table.double(), -1)
     for i in range(n):
         row = reader[i]
-        tokens = row["tokens"]
+        tokens = row.tokens
         expected = logp[tokens[:-1], tokens[1:]]                          # the realised token, in the top-K or not
-        torch.testing.assert_close(row["teacher_realised_logprob"].double(), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(row.realised_logprob.double(), expected, rtol=0, atol=1e-5)
     data = KDRows(row_kind(reader, seq_length=16, student=student, alignments="memory"), np.arange(n), num_rows=n,
                   seed=0, shuffle=False)
     for i in range(n):
         item, cached = data[i], reader[i]
-        positions, sums, _ = reference_row(cached["tokens"].tolist(), cached["teacher_realised_logprob"].numpy(),
+        positions, sums, _ = reference_row(cached.tokens.tolist(), cached.realised_logprob.numpy(),
                                            teacher, student, 16)
         assert item.teacher.segment_ids.tolist() == positions.tolist()
         np.testing.assert_allclose(item.teacher.segment_logprobs[:len(sums)].numpy(), sums, rtol=1e-5)
@@ -601,16 +601,16 @@ def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path
         rows[name] = [data[i] for i in range(2 * n)]                    # two epochs: the second reads kept ones
         for i, item in enumerate(rows[name]):
             cached = reader[i % n]
-            positions, sums, ids = reference_row(cached["tokens"].tolist(),
-                                                 cached["teacher_realised_logprob"].numpy(), teacher, student, seq)
+            positions, sums, ids = reference_row(cached.tokens.tolist(),
+                                                 cached.realised_logprob.numpy(), teacher, student, seq)
             assert item.teacher.segment_ids.tolist() == positions.tolist(), (i, alignments)
             np.testing.assert_allclose(item.teacher.segment_logprobs[:len(sums)].numpy(), sums, rtol=1e-5)
             m = int(item.loss_mask.sum())
             assert item.tokens[:m].tolist() == ids[:m] and item.labels[:m].tolist() == ids[1:m + 1]
             if name == "loaded":                                        # the token slots: the definition
-                expected = reference_targets(cached["tokens"].numpy(), cached["teacher_ids"].numpy(),
-                                             cached["teacher_logprobs"].double().numpy(),
-                                             cached["teacher_realised_logprob"].double().numpy(), teacher, student, m)
+                expected = reference_targets(cached.tokens.numpy(), cached.teacher.ids.numpy(),
+                                             cached.teacher.logprobs.double().numpy(),
+                                             cached.realised_logprob.double().numpy(), teacher, student, m)
                 assert_same_targets(implementation_targets(item), expected, i)
     for name in ("lazy", "prepared"):                                   # every field, bit for bit
         for a, b in zip(rows[name], rows["loaded"]):

@@ -154,7 +154,7 @@ def test_stores_at_every_layout_hold_transformers_topk_and_the_true_vocab(stores
     work, teachers, *_ = stores
     readers = {name: TopKCacheReader(work / f"{name}.zarr") for name in names}
     first = readers[names[0]]
-    tokens = torch.stack([first[i]["tokens"][:-1] for i in range(NUM_SAMPLES)]).long()    # [n, S]
+    tokens = torch.stack([first[i].tokens[:-1] for i in range(NUM_SAMPLES)]).long()    # [n, S]
     logprobs, ids, clear = _reference_topk(teachers[teacher], tokens)
     vocab = BIG_VOCAB if teacher == "big" else 1000
     if teacher == "big":
@@ -166,12 +166,12 @@ def test_stores_at_every_layout_hold_transformers_topk_and_the_true_vocab(stores
         assert reader.spec.teacher.startswith(f"{arch}:") and reader.spec.tokenizer == teachers[teacher]
         for i in range(NUM_SAMPLES):
             row = reader[i]
-            assert torch.equal(row["tokens"][:-1].long(), tokens[i])
-            got = row["teacher_ids"].long()                                                # [S, K]
+            assert torch.equal(row.tokens[:-1].long(), tokens[i])
+            got = row.teacher.ids.long()                                                # [S, K]
             assert int(got.max()) < vocab, name                 # no padded row ever enters the top-K
             assert torch.equal(got[clear[i]], ids[i][clear[i]]), (name, i)     # transformers' float64 top-K
-            assert torch.equal(got[clear[i]], first[i]["teacher_ids"][clear[i]].long()), (name, i)  # = TP=1 store
-            torch.testing.assert_close(row["teacher_logprobs"].double(), logprobs[i].gather(-1, got),
+            assert torch.equal(got[clear[i]], first[i].teacher.ids[clear[i]].long()), (name, i)  # = TP=1 store
+            torch.testing.assert_close(row.teacher.logprobs.double(), logprobs[i].gather(-1, got),
                                        atol=2e-6, rtol=0)       # fp32 codec: the LSE holds no padded row
 
 

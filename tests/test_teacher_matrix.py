@@ -150,16 +150,16 @@ def _check_store(store, folder, architecture: str, vocab: int) -> float:
 
     reader = TopKCacheReader(store)
     assert reader.spec.vocab_size == vocab and reader.spec.teacher.startswith(f"{architecture}:")
-    tokens = torch.stack([reader[i]["tokens"][:-1] for i in range(NUM_SAMPLES)]).long()          # [n, S]
+    tokens = torch.stack([reader[i].tokens[:-1] for i in range(NUM_SAMPLES)]).long()          # [n, S]
     logprobs, clear = _reference(folder, tokens)
     assert clear.float().mean() > 0.9
     worst = 0.0
     for i in range(NUM_SAMPLES):
         row = reader[i]
-        ids = row["teacher_ids"].long()                                                          # [S, K]
+        ids = row.teacher.ids.long()                                                          # [S, K]
         want = torch.topk(logprobs[i], K, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(ids.sort(dim=-1).values[clear[i]], want[clear[i]]), (store, i)
-        worst = max(worst, float((row["teacher_logprobs"].double() - logprobs[i].gather(-1, ids)).abs().max()))
+        worst = max(worst, float((row.teacher.logprobs.double() - logprobs[i].gather(-1, ids)).abs().max()))
     return worst
 
 
@@ -182,7 +182,7 @@ def test_every_store_holds_transformers_topk_at_every_layout(matrix, family):
         from megatron_kd_plugin.cache import TopKCacheReader
 
         reader = TopKCacheReader(work / "gpt_oss_big_docs.zarr")
-        assert int(reader[0]["tokens"].min()) >= 1 << 17 and int(reader[0]["teacher_ids"].max()) >= 1 << 17
+        assert int(reader[0].tokens.min()) >= 1 << 17 and int(reader[0].teacher.ids.max()) >= 1 << 17
     print(f"{family}: max |log-prob - transformers float64| per store: {worst}")
     for name, value in worst.items():
         assert value < 5e-5, (name, value)                      # fp32 codec: float32 compute error only

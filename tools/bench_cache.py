@@ -256,9 +256,9 @@ def store_row(source, logits_fn, exact, k, vocab, codec, work: pathlib.Path, mic
     for i in range(n):
         ids, logprobs = by_id(*exact[i])
         sample = reader[i]
-        if not torch.equal(sample["teacher_ids"], ids):
+        if not torch.equal(sample.teacher.ids, ids):
             raise AssertionError(f"sample {i}: stored ids differ from the teacher's top-K")
-        kls.append(ghost_kl(logprobs, sample["teacher_logprobs"]))
+        kls.append(ghost_kl(logprobs, sample.teacher.logprobs))
     mass = np.concatenate([topk_statistics(reader.sample_arrays(i)[fmt.LOGPROBS])[0] for i in range(n)])
     sizes = stored_bytes(path)
     group = zarr.open_group(path, mode="r")

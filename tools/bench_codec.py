@@ -189,8 +189,8 @@ def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: f
                                          fmt.LOGPROBS: exact[begin:end].astype(spec.logprob_dtype)})
     group.attrs.update(complete=True)
     reader = TopKCacheReader(path)
-    stored = np.stack([reader[i]["teacher_logprobs"].numpy() for i in range(n)]).astype(np.float64)
-    if not all(np.array_equal(reader[i]["teacher_ids"].numpy(), ids[i]) for i in range(n)):
+    stored = np.stack([reader[i].teacher.logprobs.numpy() for i in range(n)]).astype(np.float64)
+    if not all(np.array_equal(reader[i].teacher.ids.numpy(), ids[i]) for i in range(n)):
         raise AssertionError(f"{path}: the stored ids differ from the teacher's")
     if top_p is not None and not np.array_equal(np.isneginf(stored), np.isneginf(exact)):
         raise AssertionError(f"{path}: the padding slots did not come back as -inf")

@@ -21,10 +21,10 @@ The names below are the interface the layers above (``bridge``, the commands) re
 from megatron_kd_plugin.cache.blended_rows import BlendedRows, check_blend
 from megatron_kd_plugin.cache.ensemble_rows import EnsembleRows
 from megatron_kd_plugin.cache.format import CacheSpec
-from megatron_kd_plugin.cache.reader import TopKCacheReader
+from megatron_kd_plugin.cache.reader import CachedSample, TopKCacheReader
 from megatron_kd_plugin.cache.row_kinds import row_kind
 from megatron_kd_plugin.cache.rows import KDRow, KDRows, RowKind
 from megatron_kd_plugin.cache.token_bytes import TokenBytes
 
-__all__ = ["BlendedRows", "CacheSpec", "EnsembleRows", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader",
+__all__ = ["BlendedRows", "CacheSpec", "CachedSample", "EnsembleRows", "KDRow", "KDRows", "RowKind", "TokenBytes", "TopKCacheReader",
            "check_blend", "row_kind"]

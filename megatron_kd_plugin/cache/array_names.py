@@ -10,5 +10,3 @@ ARRAYS = (TOKENS, IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM, REALISED_LOGPROB, 
           SHARD_DONE)
 VOCAB_TABLE = (VOCAB_OFFSETS, VOCAB_BYTES)
 """The arrays stored once per store (one chunk each, not per sample)."""
-DRAW_WEIGHTS = "teacher_draw_weights"
-"""The key of the importance weights a reader computes for the rows of a sampled store (not stored)."""

@@ -118,7 +118,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
-from megatron_kd_plugin.cache.array_names import (ARRAYS, DRAW_WEIGHTS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
+from megatron_kd_plugin.cache.array_names import (ARRAYS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
                                                    PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
                                                    VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
 from megatron_kd_plugin.cache.kinds import MODES, STORE_KINDS, StoreKind, check_kind_fields, store_kind

@@ -1,12 +1,10 @@
 """Random access to a finished teacher top-K store (format: ``format.py``), as torch tensors.
 
-``reader[i]`` is sample i: ``tokens`` int64 ``[S+1]``, ``teacher_ids`` int64 ``[S, K]`` (sorted ascending per
-row), ``teacher_logprobs`` float32 ``[S, K]`` and, when stored, ``teacher_logsumexp`` float32 ``[S]``. Rows of
-a sampled store (K = N draws) also carry ``teacher_draw_weights`` float32 ``[S, K]``, the importance weights
-w = (1/N)·p/q of the slots, computed from the stored l (and G when t != 1) by the store's kind
-(``kinds.StoreKind.weights``).
-A cross-tokenizer store's rows also carry ``teacher_realised_logprob`` float32 ``[S]`` and
-``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). A student's training
+``reader[i]`` is sample i, a :class:`CachedSample`: its tokens ``[S+1]`` and its teacher ``[S, K]`` in the store
+kind's type (``kinds.StoreKind.teacher``): a ``TopKTeacher`` (ids sorted ascending per row, log-probs) or, for
+draws (K = N), a ``SampledTeacher`` whose importance weights w = (1/N)·p/q the kind computes from the stored l (and
+G when t != 1); with the teacher's full-vocab logsumexp ``[S]`` when stored.
+A cross-tokenizer store's samples also carry the realised log-prob ``[S]`` and ``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). A student's training
 rows are read by the store's kind of rows (``rows.py``). Opening refuses an unfinished store and one whose metadata
 do not match its attributes (``format.open_store``); ``validate`` checks the store against what the student
 expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
@@ -18,12 +16,23 @@ its ids lie in the vocabulary (``records.py``): damage, or a store replaced sinc
 from __future__ import annotations
 
 import pathlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.records import SampleReader
+from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher
+
+
+class CachedSample(NamedTuple):
+    """One cached sample as ``reader[i]`` returns it (module docstring)."""
+
+    tokens: torch.Tensor                     # [S+1] int64
+    teacher: TopKTeacher | SampledTeacher    # [S, K]: ids int64, log-probs (and weights) float32
+    logsumexp: torch.Tensor | None           # [S] float32 the teacher's full-vocab logsumexp; None: not stored
+    realised_logprob: torch.Tensor | None    # [S] float32 log-prob of each realised token; None: not stored
 
 
 class TopKCacheReader:
@@ -90,16 +99,13 @@ class TopKCacheReader:
             raise ValueError(f"{self.path}: the teacher's byte table offsets are damaged")
         return TokenBytes.from_arrays(table, offsets, identity=self.spec.tokenizer)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index``'s arrays as torch tensors (module docstring)."""
+    def __getitem__(self, index: int) -> CachedSample:
+        """Sample ``index`` (module docstring)."""
         arrays = self.sample_arrays(self._check_index(index, len(self)))
-        out = {fmt.TOKENS: torch.from_numpy(arrays[fmt.TOKENS].astype(np.int64)),
-               fmt.IDS: torch.from_numpy(arrays[fmt.IDS].astype(np.int64)),
-               fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS].astype(np.float32, copy=False))}
-        for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB):
-            if name in arrays:
-                out[name] = torch.from_numpy(arrays[name].astype(np.float32))
-        stored = out | {name: torch.from_numpy(arrays[name].copy()) for name in self.spec.kind.token_arrays(self.spec)}
-        for weights in self.spec.kind.weights(self.spec, stored):
-            out[fmt.DRAW_WEIGHTS] = weights
-        return out
+        rows = {fmt.IDS: torch.from_numpy(arrays[fmt.IDS].astype(np.int64)),
+                fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS].astype(np.float32, copy=False))}
+        rows |= {name: torch.from_numpy(arrays[name].copy()) for name in self.spec.kind.token_arrays(self.spec)}
+        optional = [torch.from_numpy(arrays[name].astype(np.float32)) if name in arrays else None
+                    for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB)]
+        return CachedSample(torch.from_numpy(arrays[fmt.TOKENS].astype(np.int64)),
+                            self.spec.kind.teacher(self.spec, rows), *optional)
