@@ -30,7 +30,7 @@ class TopKCacheReader:
     """Reads a complete store; cheap to construct (it reads only metadata)."""
 
     def __init__(self, path):
-        self.path = fmt.local_path(path)
+        self.path = fmt.store_location(path)
         group, self.spec = fmt.open_store(self.path)
         if group.attrs.get("complete") is not True:
             missing = fmt.ShardFiles(self.path, group, self.spec).missing_samples()
