@@ -146,6 +146,41 @@ def bench_clients(server: LocalS3, folder: pathlib.Path, args) -> None:
               f"{batched / base[3]:.2f} |")
 
 
+def bench_store(folder: pathlib.Path, args) -> None:
+    import torch
+
+    from megatron_kd_plugin.cache import KDRows, TopKCacheReader, row_kind
+    from megatron_kd_plugin.cache.sources import TokenWindows
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    vocab, seq, k = 32768, 512, 100
+    table = 4 * torch.randn(1024, vocab, generator=torch.Generator().manual_seed(0))
+    logits_fn = lambda tokens: table[tokens % 1024].transpose(0, 1)          # [s, b, V], cheap and deterministic
+    stream = np.random.default_rng(1).integers(0, vocab, args.samples * seq + 1)
+    places = {"local disk": str(folder / "store.zarr"), "s3://": "s3://bench/store/topk"}
+    rows = {}
+    for name, output in places.items():
+        source = TokenWindows(stream, seq, num_samples=args.samples, fingerprint="bench", tokenizer="bench",
+                              tokenizer_vocab_size=vocab)
+        stats = write_cache(source, logits_fn, output, k=k, vocab_size=vocab, teacher="bench",
+                            samples_per_shard=args.samples // 4, micro_batch_size=4, progress=False)
+        reader = TopKCacheReader(output)
+        dataset = KDRows(row_kind(reader, seq_length=seq), range(len(reader)), num_rows=len(reader), seed=0)
+        begin = time.perf_counter()
+        for row in range(len(dataset)):
+            dataset[row]
+        read = time.perf_counter() - begin
+        rows[name] = (stats.tokens / stats.total_seconds, stats.tokens / read)
+    base = rows["local disk"]
+    print(f"\nstore: {args.samples} samples x S={seq}, K={k}, V={vocab} (grid8), shards of {args.samples // 4} "
+          "samples; write = the cache writer's shard loop (a table teacher: top-K, codecs, PUTs), read = one DP "
+          "rank's KDRows (shuffled rows, every chunk checked, read-ahead on S3)")
+    print("| store | write tokens/s | x local | read tokens/s | x local |")
+    print("|---|---|---|---|---|")
+    for name, (write, read) in rows.items():
+        print(f"| {name} | {write:,.0f} | {write / base[0]:.2f} | {read:,.0f} | {read / base[1]:.2f} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("clients", "store", "both"), default="both")
@@ -167,7 +202,7 @@ def main(argv=None) -> int:
             if args.part in ("clients", "both"):
                 bench_clients(server, folder, args)
             if args.part in ("store", "both"):
-                from tools.bench_object_store_parts import bench_store  # noqa: F401  (filled in below)
+                bench_store(folder, args)
             print(f"load average after: {os.getloadavg()[0]:.2f}")
         finally:
             server.stop()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 
 import google_crc32c
 import numcodecs
@@ -47,28 +48,36 @@ class BoundedCache:
     def __init__(self, max_bytes: int = CACHE_BYTES):
         self.max_bytes, self.nbytes = max_bytes, 0
         self._values: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()                  # read-ahead threads share it (``read_ahead.py``)
 
     def get(self, key):
-        value = self._values.get(key)
-        if value is not None:
-            self._values.move_to_end(key)
-        return value
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
 
     def put(self, key, value: np.ndarray) -> None:
-        self.pop(key)
-        self._values[key] = value
-        self.nbytes += value.nbytes + ENTRY_BYTES
-        while self.nbytes > self.max_bytes and len(self._values) > 1:
-            self.nbytes -= self._values.popitem(last=False)[1].nbytes + ENTRY_BYTES
+        with self._lock:
+            self._pop(key)
+            self._values[key] = value
+            self.nbytes += value.nbytes + ENTRY_BYTES
+            while self.nbytes > self.max_bytes and len(self._values) > 1:
+                self.nbytes -= self._values.popitem(last=False)[1].nbytes + ENTRY_BYTES
 
     def pop(self, key) -> None:
+        with self._lock:
+            self._pop(key)
+
+    def _pop(self, key) -> None:
         value = self._values.pop(key, None)
         if value is not None:
             self.nbytes -= value.nbytes + ENTRY_BYTES
 
     def clear(self) -> None:
-        self._values.clear()
-        self.nbytes = 0
+        with self._lock:
+            self._values.clear()
+            self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._values)

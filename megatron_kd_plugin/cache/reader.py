@@ -17,13 +17,19 @@ its ids lie in the vocabulary (``records.py``): damage, or a store replaced sinc
 
 from __future__ import annotations
 
-import pathlib
+import os
 
 import numpy as np
 import torch
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.read_ahead import ReadAhead
 from megatron_kd_plugin.cache.records import SampleReader
+
+
+_WORKERS = ("a store on object storage is read by the training process itself (its read-ahead threads do not "
+            "survive a fork, its client not a pickle): set dataset.num_workers=0")
 
 
 class TopKCacheReader:
@@ -39,6 +45,8 @@ class TopKCacheReader:
                              "to complete it")
         self.group = group
         self._samples = SampleReader(self.path, group, self.spec)     # every per-sample array of the store
+        self._ahead = ReadAhead(self._samples) if isinstance(self.path, storage.ObjectPrefix) else None
+        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return self.spec.num_samples
@@ -70,7 +78,26 @@ class TopKCacheReader:
     def sample_arrays(self, sample: int, names=None) -> dict[str, np.ndarray]:
         """The stored arrays of ``sample`` (``names``: only those) as numpy, in their on-disk dtypes (one chunk
         each), checked."""
-        return self._samples.read(sample, names)
+        if self._ahead is None:
+            return self._samples.read(sample, names)
+        self._refuse_other_process()
+        return self._ahead.read(sample, names)
+
+    def hint(self, samples) -> None:
+        """The samples to be read next, in order: fetched ahead on object storage (``read_ahead.py``); nothing on
+        a local disk (the page cache reads ahead)."""
+        if self._ahead is not None:
+            self._refuse_other_process()
+            self._ahead.hint(samples)
+
+    def _refuse_other_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ValueError(_WORKERS)
+
+    def __getstate__(self):
+        if self._ahead is not None:
+            raise ValueError(_WORKERS)
+        return self.__dict__
 
     def vocab_table(self):
         """The teacher tokenizer's byte table of a cross-tokenizer store (``token_bytes.TokenBytes``); ValueError

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 """A URL's scheme (``s3://``, ``msc://``, ``gs://``...), also as ``pathlib`` folds it (``s3:/bucket``)."""
 SCHEMES = ("s3", "msc")
+COALESCE = 1 << 16
+"""Ranges of one object less than this many bytes apart are fetched in one request (obstore's default, 1 MiB, would
+fetch up to a MiB of unwanted bytes between two random samples' chunks)."""
 """The object-store URL schemes a store (and token data) may live under."""
 
 
@@ -135,7 +138,7 @@ class ObjectPrefix:
         return cls(url, store, bucket, prefix)
 
     def name(self, key: str) -> str:
-        return f"{self.url}/{key}"
+        return f"{self.url}/{key}" if key else self.url
 
     @contextlib.contextmanager
     def errors(self, key: str = ""):
@@ -151,12 +154,11 @@ class ObjectPrefix:
                                  "URL and the endpoint the client uses)") from None
             raise FileNotFoundError(f"{self.name(key)} does not exist") from None
         except (obx.PermissionDeniedError, obx.UnauthenticatedError) as exc:
-            code = re.search(r"<Code>([^<]+)</Code>", str(exc))
-            raise ValueError(f"{self.url}: the object store refused the credentials ({code.group(1) if code else 'access denied'}); "
-                             "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE (s3://) or the profile's "
-                             "credentials_provider (msc://)") from None
+            raise self._refused(str(exc)) from None
         except obx.GenericError as exc:
             text = str(exc)
+            if "403 Forbidden" in text or "401 Unauthorized" in text:
+                raise self._refused(text) from None
             if "NoSuchBucket" in text:
                 raise ValueError(f"{self.url}: the bucket {self.bucket!r} does not exist (create it, or check the "
                                  "URL and the endpoint the client uses)") from None
@@ -166,6 +168,12 @@ class ObjectPrefix:
                 raise ValueError(f"{self.url}: the object store at {endpoint} does not answer (check "
                                  "AWS_ENDPOINT_URL or the profile's endpoint_url, and the network)") from None
             raise ValueError(f"{self.name(key)}: {text.splitlines()[0]}") from None
+
+    def _refused(self, text: str) -> ValueError:
+        code = re.search(r"<Code>([^<]+)</Code>", text)
+        reason = code.group(1) if code else "access denied"
+        return ValueError(f"{self.url}: the object store refused the credentials ({reason}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE (s3://) or the "
+                          "profile's credentials_provider (msc://)")
 
     def get(self, key: str) -> bytes:
         """The whole object ``key``; FileNotFoundError."""
@@ -204,7 +212,7 @@ class ObjectPrefix:
         with self.errors(key):
             return [bytes(part) for part in obstore.get_ranges(
                 self.store, key, starts=[int(offset) for offset, _ in spans],
-                lengths=[int(length) for _, length in spans])]
+                lengths=[int(length) for _, length in spans], coalesce=COALESCE)]
 
     def put(self, key: str, data: bytes, mode=None) -> str:
         """Writes ``key`` (one atomic PUT); ``mode``: ``"create"`` (If-None-Match: the write fails with
@@ -240,6 +248,15 @@ class ObjectPrefix:
 
         with self.errors(prefix):
             return sorted(meta["path"] for batch in obstore.list(self.store, prefix or None) for meta in batch)
+
+    def is_empty(self, ignore: str = "") -> bool:
+        """Whether no object but ``ignore`` lies under the store's prefix (one listing request of two keys; the
+        empty folders some servers keep after a deletion do not count)."""
+        import obstore
+
+        with self.errors():
+            first = next(iter(obstore.list(self.store, chunk_size=2)), [])
+        return all(meta["path"] == ignore for meta in first)
 
     def sizes(self) -> dict[str, int]:
         """{key: bytes} of every object under the store's prefix."""

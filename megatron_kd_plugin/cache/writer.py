@@ -32,6 +32,7 @@ a store there is readable only when complete, and a run killed at any moment res
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import pathlib
 import shutil
@@ -165,8 +166,7 @@ def _prepare_objects(output: storage.ObjectPrefix, spec: fmt.CacheSpec, overwrit
     prefix's objects; replacing a store deletes its objects (all of them this project's), the lease last."""
     lock = WriterLease(output).exclusive()
     try:
-        folders, objects = output.entries()
-        if (not folders and set(objects) <= {LOCK_NAME}) or fmt.interrupted_creation(output):
+        if output.is_empty(ignore=LOCK_NAME) or fmt.interrupted_creation(output):
             fmt.create_store(output, spec)
             return lock
         _refuse_foreign(output, overwrite, deep=False)
@@ -393,15 +393,37 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
                unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
     loop_start = time.perf_counter()
     on_shard_written(stats.shards_written)
-    for shard in todo:
-        begin, end = spec.shard_range(shard)
-        arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
-                               micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
-        if writes and arrays:
-            write_shard(group, spec, shard, arrays, output)
+    def written(tokens: int) -> None:
         stats.shards_written += 1
-        bar.update((end - begin) * spec.seq_length)
+        bar.update(tokens)
         on_shard_written(stats.shards_written)
+
+    # on object storage a shard's PUTs overlap the next shard's computation (one shard in flight; a shard counts as
+    # written, and ``on_shard_written`` hears of it, once its records are stored)
+    uploads = concurrent.futures.ThreadPoolExecutor(1) if writes and isinstance(output, storage.ObjectPrefix) else None
+    in_flight = None
+    try:
+        for shard in todo:
+            begin, end = spec.shard_range(shard)
+            arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
+                                   micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
+            if in_flight is not None:
+                in_flight[0].result()
+                written(in_flight[1])
+                in_flight = None
+            tokens = (end - begin) * spec.seq_length
+            if uploads is not None and arrays:
+                in_flight = (uploads.submit(write_shard, group, spec, shard, arrays, output), tokens)
+                continue
+            if writes and arrays:
+                write_shard(group, spec, shard, arrays, output)
+            written(tokens)
+        if in_flight is not None:
+            in_flight[0].result()
+            written(in_flight[1])
+    finally:
+        if uploads is not None:
+            uploads.shutdown(wait=True)
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
     return stats
