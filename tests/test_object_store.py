@@ -199,3 +199,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_an_indexed_dataset_on_s3_is_the_same_token_source_as_its_local_copy(stores, tmp_path, monkeypatch):
+    """``cache --data s3://...``: the .idx cached locally (megatron-core's index cache path), the .bin read by
+    ranges; same windows and fingerprint as the local files, so the store written from it is the same store."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    import megatron_kd_plugin.cache.object_tokens as object_tokens
+    from megatron_kd_plugin.cache.sources import open_source
+
+    monkeypatch.setattr(object_tokens, "INDEX_CACHE", tmp_path / "idx_cache")
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(3)
+    for length in rng.integers(5, 40, 30):
+        builder.add_document(rng.integers(0, VOCAB, length).astype(np.int32), [int(length)])
+    builder.finalize(prefix + ".idx")
+    url = fresh_url("data/corpus")
+    folder = location(url.rpartition("/")[0])
+    for suffix in (".idx", ".bin"):
+        folder.put(f"corpus{suffix}", pathlib.Path(prefix + suffix).read_bytes())
+    local, remote = open_source(prefix, SEQ), open_source(url, SEQ)
+    assert len(remote) == len(local) and remote.fingerprint == local.fingerprint
+    assert (remote.windows(0, len(local)) == local.windows(0, len(local))).all()
+    assert (tmp_path / "idx_cache" / url.removeprefix("s3://")).with_suffix(".idx").is_file()
+    with pytest.raises(ValueError, match=rf"indexed dataset file {url}x.idx does not exist"):
+        open_source(url + "x", SEQ)
+    store = fresh_url("from_s3_data.zarr")
+    options = dict(k=K, vocab_size=VOCAB, teacher="bigram", samples_per_shard=4, progress=False)
+    write_cache(remote, teacher(), store, **options)
+    write_cache(local, teacher(), tmp_path / "local.zarr", **options)
+    assert objects(store) == local_files(tmp_path / "local.zarr")

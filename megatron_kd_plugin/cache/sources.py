@@ -5,7 +5,8 @@ tokenizer's end-of-text id when it has one) and cut like Megatron's GPTDataset: 
 ``stream[i·S : i·S + S + 1]`` (consecutive windows share one token), so there are ``(len(stream) − 1) // S``.
 
 Two sources: a Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``, read through
-``megatron.core.datasets.indexed_dataset.IndexedDataset``) and JSONL text with a ``tokenizers`` tokenizer.json
+``megatron.core.datasets.indexed_dataset.IndexedDataset``; on object storage, ``s3://`` or ``msc://``, as its
+object-storage reader does: ``object_tokens.py``) and JSONL text with a ``tokenizers`` tokenizer.json
 (or, when ``transformers`` is installed, any name/folder ``AutoTokenizer`` accepts). Each source has a content
 ``fingerprint`` (SHA-256 of its files, the windowing and the sample count) that the store records.
 """
@@ -22,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_kd_plugin.cache.format import local_path
+from megatron_kd_plugin.cache.storage import is_object_url
 
 
 def file_digest(paths, extra: str = "") -> str:
@@ -218,9 +220,15 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
 
 def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num_samples: int | None = None,
                 text_key: str = "text") -> TokenWindows:
-    """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix."""
-    local_path(data, "token data")
+    """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix, local or
+    on object storage (``s3://``, ``msc://``: ``object_tokens.py``)."""
+    remote = is_object_url(data)
+    if not remote:
+        local_path(data, "token data")
     if data.endswith((".jsonl", ".json")):
+        if remote:
+            raise ValueError(f"{data}: JSONL token data on object storage is not supported; pass a Megatron indexed "
+                             "dataset prefix there, or a local copy of the JSONL file")
         if not tokenizer:
             raise ValueError(f"JSONL data {data} needs --tokenizer (a tokenizer.json file or a HF name)")
         return jsonl_windows(data, tokenizer, seq_length, num_samples=num_samples, text_key=text_key)
@@ -228,6 +236,11 @@ def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num
     vocab_size = None
     if tokenizer:
         _, _, vocab_size, identity = load_tokenizer(tokenizer)
-    windows = indexed_dataset_windows(data, seq_length, num_samples=num_samples, tokenizer=identity)
+    if remote:
+        from megatron_kd_plugin.cache.object_tokens import object_indexed_windows
+
+        windows = object_indexed_windows(data, seq_length, num_samples=num_samples, tokenizer=identity)
+    else:
+        windows = indexed_dataset_windows(data, seq_length, num_samples=num_samples, tokenizer=identity)
     windows.tokenizer_vocab_size = vocab_size
     return windows

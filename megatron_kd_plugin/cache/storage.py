@@ -46,7 +46,11 @@ def location(path, what: str = "a store") -> "LocalFolder | ObjectPrefix":
     if scheme not in SCHEMES:
         raise ValueError(f"{text}: {what} on {scheme}:// is not supported (object storage: s3:// and msc:// only); "
                          "copy it to s3://, or to a local or mounted file system, and pass that path")
-    return ObjectPrefix.from_url(re.sub(r"^([A-Za-z0-9+.-]+):/+", lambda m: m.group(1).lower() + "://", text))
+    prefix = ObjectPrefix.from_url(re.sub(r"^([A-Za-z0-9+.-]+):/+", lambda m: m.group(1).lower() + "://", text))
+    if not prefix.prefix:
+        raise ValueError(f"{text}: {what} at a bucket's root is not supported; name a prefix inside it "
+                         "(s3://BUCKET/PREFIX, msc://PROFILE/PATH)")
+    return prefix
 
 
 def is_object_url(path) -> bool:
@@ -122,9 +126,8 @@ class ObjectPrefix:
         else:
             options = _aws_options()
             bucket, _, prefix = rest.partition("/")
-        if not bucket or not prefix.strip("/"):
-            raise ValueError(f"{url}: name a prefix inside a bucket (s3://BUCKET/PREFIX, msc://PROFILE/PATH), not a "
-                             "bucket's root")
+        if not bucket:
+            raise ValueError(f"{url}: no bucket named (s3://BUCKET/PREFIX, msc://PROFILE/PATH)")
         from obstore.store import S3Store
 
         endpoint = options.pop("endpoint", None)

@@ -66,7 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--teacher-loader", default=None,
                    help="module:function(path, tp_size) -> model, instead of megatron_kd_plugin.models.gpt.load_gpt")
     p.add_argument("--vocab-size", type=int, default=None, help="teacher vocab size (needed with --teacher-loader)")
-    p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx) or a .jsonl file")
+    p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx; also s3://... or "
+                   "msc://..., read as megatron-core's IndexedDataset reads object storage) or a .jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or HF name/folder; default for a HF teacher: "
                    "its checkpoint folder); required for JSONL, recorded as the tokenizer identity and checked "
                    "against the teacher vocab")
@@ -259,7 +260,8 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
     fmt.store_location(args.output)                               # before anything loads
-    fmt.local_path(args.data, "token data")
+    if not storage.is_object_url(args.data):
+        fmt.local_path(args.data, "token data")
     kind = teacher_kind(args)
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
