@@ -1,8 +1,9 @@
-"""A Megatron indexed dataset on object storage (``s3://BUCKET/PATH/PREFIX``, ``msc://PROFILE/PATH/PREFIX``) as a
-token source, the way megatron-core's ``IndexedDataset`` reads one (``megatron.core.datasets.object_storage_utils``):
-the ``.idx`` copied once to a local cache (megatron-core's ``get_index_cache_path`` under
-:data:`INDEX_CACHE`, refreshed when the object's ETag changes), the ``.bin`` read by byte range, a block of
-windows (one writer's shard) per request, through the store's client (``storage.py``).
+"""The objects of a Megatron indexed dataset on object storage (``s3://BUCKET/PATH/PREFIX``,
+``msc://PROFILE/PATH/PREFIX``), read as a token source (``sources.indexed_dataset_windows``) the way megatron-core's
+``IndexedDataset`` reads one (``megatron.core.datasets.object_storage_utils``): the ``.idx`` copied once to a local
+cache (megatron-core's ``get_index_cache_path`` under :data:`INDEX_CACHE`, refreshed when the object's ETag
+changes), the ``.bin`` read by byte range, a block of windows (one writer's shard) per request, through the
+store's client (``storage.py``).
 
 The fingerprint is the SHA-256 of the two files' bytes, as for a local copy (``sources.file_digest``), so a store
 cached from the bucket and one cached from a local copy of the same files are the same store.
@@ -54,42 +55,35 @@ class RangedTokens:
         return self._span(low, high + 1)[index - low]
 
 
-def object_indexed_windows(prefix: str, seq_length: int, *, num_samples: int | None = None, tokenizer: str = ""):
-    """``sources.TokenWindows`` over the indexed dataset at the object-storage URL ``prefix`` (module docstring)."""
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-    from megatron.core.datasets.object_storage_utils import ObjectStorageConfig, get_index_cache_path
+class ObjectIndexedDataset:
+    """The ``.idx`` and ``.bin`` objects of the indexed dataset at the object-storage URL ``prefix``; ValueError
+    (one line) when one does not exist. ``sources.indexed_dataset_windows`` checks and reads them."""
 
-    from megatron_kd_plugin.cache.sources import TokenWindows, check_index_file
+    def __init__(self, prefix: str):
+        folder_url, _, stem = prefix.rstrip("/").rpartition("/")
+        self.prefix, self.folder = prefix, storage.ObjectPrefix.from_url(folder_url)
+        self.keys = [f"{stem}{suffix}" for suffix in (".idx", ".bin")]
+        self.heads = [self.folder.head(key) for key in self.keys]
+        for key, head in zip(self.keys, self.heads):
+            if head is None:
+                raise ValueError(f"indexed dataset file {self.folder.name(key)} does not exist (--data takes the "
+                                 "PREFIX of PREFIX.bin/PREFIX.idx)")
+        self.bin_name, self.bin_size = self.folder.name(self.keys[1]), self.heads[1]["size"]
 
-    folder_url, _, stem = prefix.rstrip("/").rpartition("/")
-    folder = storage.ObjectPrefix.from_url(folder_url)
-    keys = [f"{stem}{suffix}" for suffix in (".idx", ".bin")]
-    heads = [folder.head(key) for key in keys]
-    for key, head in zip(keys, heads):
-        if head is None:
-            raise ValueError(f"indexed dataset file {folder.name(key)} does not exist (--data takes the PREFIX of "
-                             "PREFIX.bin/PREFIX.idx)")
-    local_index = pathlib.Path(get_index_cache_path(f"{prefix}.idx", ObjectStorageConfig(str(INDEX_CACHE))))
-    _cache_index(folder, keys[0], heads[0], local_index)
-    check_index_file(local_index)
-    if heads[1]["size"] == 0:
-        raise ValueError(f"{folder.name(keys[1])} is empty: the indexed dataset holds no tokens")
-    index = _IndexReader(str(local_index), multimodal=False)
-    ends = index.sequence_pointers + index.sequence_lengths.astype(np.int64) * index.dtype_size
-    if len(ends) and (index.sequence_pointers[0] != 0 or np.any(index.sequence_pointers[1:] != ends[:-1])):
-        raise ValueError(f"{folder.name(keys[1])} does not store its documents back to back")
-    total = int(index.sequence_lengths.sum())
-    needed = total * index.dtype_size
-    if total == 0:
-        raise ValueError(f"indexed dataset {prefix} holds no tokens")
-    if heads[1]["size"] < needed:
-        raise ValueError(f"{folder.name(keys[1])} holds {heads[1]['size']} bytes but its .idx describes {total} "
-                         f"tokens of {np.dtype(index.dtype).name} ({needed} bytes): the .bin is truncated or "
-                         "belongs to another .idx")
-    stream = RangedTokens(folder, keys[1], index.dtype, total)
-    return TokenWindows(stream, seq_length, num_samples=num_samples,
-                        fingerprint=lambda: _digest(folder, keys, [head["size"] for head in heads]),
-                        tokenizer=tokenizer, tokenizer_vocab_size=None, name=folder.name(keys[1]))
+    def cached_index(self) -> pathlib.Path:
+        """The local copy of the ``.idx`` (megatron-core's ``get_index_cache_path`` under :data:`INDEX_CACHE`)."""
+        from megatron.core.datasets.object_storage_utils import ObjectStorageConfig, get_index_cache_path
+
+        local = pathlib.Path(get_index_cache_path(f"{self.prefix}.idx", ObjectStorageConfig(str(INDEX_CACHE))))
+        _cache_index(self.folder, self.keys[0], self.heads[0], local)
+        return local
+
+    def tokens(self, dtype, length: int) -> RangedTokens:
+        return RangedTokens(self.folder, self.keys[1], dtype, length)
+
+    def digest(self) -> str:
+        """``sources.file_digest`` of the two objects."""
+        return _digest(self.folder, self.keys, [head["size"] for head in self.heads])
 
 
 def _cache_index(folder: storage.ObjectPrefix, key: str, head: dict, local: pathlib.Path) -> None:
