@@ -231,3 +231,25 @@ def test_an_indexed_dataset_on_s3_is_the_same_token_source_as_its_local_copy(sto
     write_cache(remote, teacher(), store, **options)
     write_cache(local, teacher(), tmp_path / "local.zarr", **options)
     assert objects(store) == local_files(tmp_path / "local.zarr")
+
+
+def test_copy_moves_a_store_to_s3_and_back_valid_throughout_and_refuses_an_occupied_place(stores, tmp_path, capsys):
+    from megatron_kd_plugin.__main__ import main
+
+    url = fresh_url("copied.zarr")
+    assert main(["copy", str(stores["local"]), url, "--no-progress", "--verify-workers", "1"]) == 0
+    assert "every chunk of the copy verified" in capsys.readouterr().out
+    assert objects(url) == local_files(stores["local"])
+    back = tmp_path / "back.zarr"
+    assert main(["copy", url, str(back), "--no-progress", "--verify-workers", "1"]) == 0
+    assert local_files(back) == local_files(stores["local"])
+    assert main(["copy", url, str(back), "--no-progress"]) == 2
+    assert "already holds a store" in capsys.readouterr().out
+    half = fresh_url("half.zarr")                             # a copy killed before its root zarr.json
+    for key, data in list(objects(url).items())[:5]:
+        if key != "zarr.json":
+            location(half).put(key, data)
+    with pytest.raises(ValueError, match="is not a teacher cache"):
+        TopKCacheReader(half)
+    assert main(["copy", url, half, "--no-progress", "--verify-workers", "1"]) == 0
+    assert objects(half) == objects(url)

@@ -754,7 +754,7 @@ def _store_file(parts: tuple[str, ...]) -> bool:
     return parts[1] == "c" and all(_CHUNK.match(part) for part in parts[2:-1] + (name,))
 
 
-def foreign_entries(path, deep: bool = True) -> list[str]:
+def foreign_entries(path, deep: bool = True, named: bool = True) -> list[str]:
     """What in the folder ``path`` is not part of a store of this project (empty: all of it is), as short texts.
 
     A store of this project is known by its own root zarr.json naming one of :data:`FORMAT_NAMES` (a folder that
@@ -762,10 +762,11 @@ def foreign_entries(path, deep: bool = True) -> list[str]:
     zarr.json files, chunk files (``ARRAY/c.N.0`` and, before version 5, under ``ARRAY/c/``), zarr's temporaries and
     its lock file. Symbolic links are never part of one. ``deep``: every file of every array folder is checked (what
     deleting the store needs); otherwise only the store's root and its array folders themselves (what writing its
-    own chunk files into it needs: constant time, whatever the size of the store).
+    own chunk files into it needs: constant time, whatever the size of the store). ``named``: a root zarr.json
+    naming this tool's format is required (without: only the layout is checked, what an interrupted copy holds).
     """
     if isinstance(path, storage.ObjectPrefix):
-        return _foreign_objects(path, deep)
+        return _foreign_objects(path, deep, named)
     path = pathlib.Path(path)
     if path.is_symlink() or not path.is_dir():
         return [f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}"]
@@ -785,10 +786,10 @@ def foreign_entries(path, deep: bool = True) -> list[str]:
                 foreign.append(f"it holds the file {entry}")
         if not deep:
             break
-    return foreign + _foreign_format(lambda: (path / "zarr.json").read_bytes())
+    return foreign + (_foreign_format(lambda: (path / "zarr.json").read_bytes()) if named else [])
 
 
-def _foreign_objects(prefix: storage.ObjectPrefix, deep: bool) -> list[str]:
+def _foreign_objects(prefix: storage.ObjectPrefix, deep: bool, named: bool) -> list[str]:
     """:func:`foreign_entries` of an object prefix: its keys (``deep``: all of them; else one level) against a
     store's."""
     if deep:
@@ -798,7 +799,7 @@ def _foreign_objects(prefix: storage.ObjectPrefix, deep: bool) -> list[str]:
         keys = [(name,) for name in objects] + [(name, "zarr.json") for name in folders]
     foreign = [f"it holds the object {prefix.name('/'.join(parts))}" for parts in keys
                if not (_store_file(parts) and not any(is_partial(pathlib.Path(part)) for part in parts))]
-    return foreign + _foreign_format(lambda: prefix.get("zarr.json"))
+    return foreign + (_foreign_format(lambda: prefix.get("zarr.json")) if named else [])
 
 
 def _foreign_format(read) -> list[str]:

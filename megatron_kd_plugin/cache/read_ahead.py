@@ -18,10 +18,10 @@ import threading
 
 BATCH = 32
 """Samples fetched by one task."""
-THREADS = 4
+THREADS = 8
 """Fetching threads."""
-AHEAD = 256
-"""Samples read or in flight at most (~25 MB at S = 512, K = 100)."""
+AHEAD = 512
+"""Samples read or in flight at most (~50 MB at S = 512, K = 100)."""
 
 
 class ReadAhead:

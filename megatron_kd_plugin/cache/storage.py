@@ -22,6 +22,7 @@ import contextlib
 import os
 import pathlib
 import re
+import uuid
 from dataclasses import dataclass
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
@@ -93,6 +94,20 @@ class LocalFolder:
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self.path / key)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every file under the folder (``prefix``: under that sub-path), as keys relative to it, sorted."""
+        root = self.path / prefix if prefix else self.path
+        return sorted(str(file.relative_to(self.path)) for file in root.rglob("*") if file.is_file()) \
+            if root.is_dir() else []
+
+    def put(self, key: str, data: bytes) -> None:
+        """Writes ``key`` atomically (a temporary file renamed into place)."""
+        path = self.path / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
 
 
 class ObjectPrefix:
