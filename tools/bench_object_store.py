@@ -153,7 +153,7 @@ def bench_store(folder: pathlib.Path, args) -> None:
     from megatron_kd_plugin.cache.sources import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
 
-    vocab, seq, k = 32768, 512, 100
+    vocab, seq, k = 4096, 512, 100
     table = 4 * torch.randn(1024, vocab, generator=torch.Generator().manual_seed(0))
     logits_fn = lambda tokens: table[tokens % 1024].transpose(0, 1)          # [s, b, V], cheap and deterministic
     stream = np.random.default_rng(1).integers(0, vocab, args.samples * seq + 1)
@@ -163,18 +163,18 @@ def bench_store(folder: pathlib.Path, args) -> None:
         source = TokenWindows(stream, seq, num_samples=args.samples, fingerprint="bench", tokenizer="bench",
                               tokenizer_vocab_size=vocab)
         stats = write_cache(source, logits_fn, output, k=k, vocab_size=vocab, teacher="bench",
-                            samples_per_shard=args.samples // 4, micro_batch_size=4, progress=False)
+                            samples_per_shard=args.samples // 16, micro_batch_size=4, progress=False)
         reader = TopKCacheReader(output)
-        dataset = KDRows(row_kind(reader, seq_length=seq), range(len(reader)), num_rows=len(reader), seed=0)
+        dataset = KDRows(row_kind(reader, seq_length=seq), range(len(reader)), num_rows=2 * len(reader), seed=0)
         begin = time.perf_counter()
         for row in range(len(dataset)):
             dataset[row]
         read = time.perf_counter() - begin
-        rows[name] = (stats.tokens / stats.total_seconds, stats.tokens / read)
+        rows[name] = (stats.tokens / stats.total_seconds, len(dataset) * seq / read)
     base = rows["local disk"]
-    print(f"\nstore: {args.samples} samples x S={seq}, K={k}, V={vocab} (grid8), shards of {args.samples // 4} "
+    print(f"\nstore: {args.samples} samples x S={seq}, K={k}, V={vocab} (grid8), shards of {args.samples // 16} "
           "samples; write = the cache writer's shard loop (a table teacher: top-K, codecs, PUTs), read = one DP "
-          "rank's KDRows (shuffled rows, every chunk checked, read-ahead on S3)")
+          "rank's KDRows over two epochs (shuffled rows, every chunk checked, read-ahead on S3)")
     print("| store | write tokens/s | x local | read tokens/s | x local |")
     print("|---|---|---|---|---|")
     for name, (write, read) in rows.items():
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--range-kib", type=int, default=100)
     parser.add_argument("--reads", type=int, default=400)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=256, help="store part: samples of S=512 tokens")
+    parser.add_argument("--samples", type=int, default=1024, help="store part: samples of S=512 tokens")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_object_store.") as tmp:
         folder = pathlib.Path(tmp)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             os.environ.update(server.env())
             os.environ["MSC_CONFIG"] = str(server.msc_config(folder / "msc.json"))
             server.create_bucket("bench")
-            print(f"load average before: {os.getloadavg()[0]:.2f}")
+            print(f"load average before: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
             if args.part in ("clients", "both"):
                 bench_clients(server, folder, args)
             if args.part in ("store", "both"):

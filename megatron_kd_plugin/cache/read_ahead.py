@@ -4,9 +4,9 @@ threads while the current ones are trained on.
 A request to an object store costs ~1 ms of latency however small, where a local ``pread`` costs microseconds, so a
 reader that fetches one chunk at a time waits most of the time (``tools/bench_object_store.py``). :class:`ReadAhead`
 takes the samples the dataset says come next (``KDRows`` hints the samples of its next rows, a pure function of
-the row number), reads them in batches of :data:`BATCH` (``records.SampleReader.read_many``: one request per
+the row number), sorted so that neighbours share requests, reads them in batches of :data:`BATCH` (``records.SampleReader.read_many``: one request per
 array and shard for neighbouring chunks) on :data:`THREADS` threads (the client and the codecs release the GIL),
-and keeps at most :data:`AHEAD` samples read or in flight. A sample asked for that was not hinted is read at once.
+and keeps at most :data:`AHEAD_TOKENS` tokens of samples read or in flight. A sample asked for that was not hinted is read at once.
 Every read is checked exactly as without it (CRC32C, records, ids); an error surfaces where the sample is asked for.
 """
 
@@ -20,8 +20,8 @@ BATCH = 32
 """Samples fetched by one task."""
 THREADS = 8
 """Fetching threads."""
-AHEAD = 512
-"""Samples read or in flight at most (~50 MB at S = 512, K = 100)."""
+AHEAD_TOKENS = 1 << 18
+"""Tokens of samples read or in flight at most (512 samples at S = 512, ~50 MB at K = 100)."""
 
 
 class ReadAhead:
@@ -29,6 +29,7 @@ class ReadAhead:
 
     def __init__(self, samples, names=None):
         self.samples, self.names = samples, names
+        self.limit = max(2 * BATCH, AHEAD_TOKENS // samples.spec.seq_length)
         self._pool = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kd-read-ahead")
         self._pending: collections.OrderedDict[int, tuple[concurrent.futures.Future, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -37,7 +38,7 @@ class ReadAhead:
         """The samples to be read next, in order (those already pending are skipped)."""
         with self._lock:
             fresh = list(dict.fromkeys(int(s) for s in samples if int(s) not in self._pending))
-            fresh = fresh[:max(0, AHEAD - len(self._pending))]
+            fresh = sorted(fresh[:max(0, self.limit - len(self._pending))])   # neighbours together: fewer requests
             for begin in range(0, len(fresh), BATCH):
                 batch = fresh[begin:begin + BATCH]
                 future = self._pool.submit(self.samples.read_many, batch, self.names)

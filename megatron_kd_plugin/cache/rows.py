@@ -105,8 +105,9 @@ class RowKind(abc.ABC):
         self.reader.hint(samples)
 
 
-READ_AHEAD_ROWS = 128
-"""Rows whose samples a dataset hints ahead of the one asked for (``read_ahead.py``)."""
+READ_AHEAD_TOKENS = 1 << 17
+"""Tokens of rows whose samples a dataset hints ahead of the one asked for (``read_ahead.py``): 256 rows at S = 512,
+~25 MB of a K = 100 store."""
 
 
 class KDRows(torch.utils.data.Dataset):
@@ -150,11 +151,12 @@ class KDRows(torch.utils.data.Dataset):
         return self.kind.row(*self.window_of(int(row)))._replace(source=self.source)
 
     def _read_ahead(self, row: int) -> None:
-        """Hints the kind the samples of rows [row, row + :data:`READ_AHEAD_ROWS`) not hinted yet (rows are asked
-        for in ascending order; a jump starts over)."""
+        """Hints the kind the samples of the next :data:`READ_AHEAD_TOKENS` tokens of rows not hinted yet, half of
+        them at a time (rows are asked for in ascending order; a jump starts over)."""
+        ahead = max(16, READ_AHEAD_TOKENS // self.kind.seq_length)
         if not self._hinted[0] <= row < self._hinted[1]:
             self._hinted = (row, row)
-        end = min(self.num_rows, row + READ_AHEAD_ROWS)
-        if end - self._hinted[1] >= READ_AHEAD_ROWS // 2 or self._hinted[0] == self._hinted[1]:
+        end = min(self.num_rows, row + ahead)
+        if end - self._hinted[1] >= ahead // 2 or self._hinted[0] == self._hinted[1]:
             self.kind.hint([self.window_of(r)[0] for r in range(self._hinted[1], end)])
             self._hinted = (self._hinted[0], end)
