@@ -8,6 +8,7 @@ Commands:
   cache     run a teacher once over token data and write its top-K (or sampled) cache store (under torchrun)
   train     distil a student from a cache store with a KD recipe (Bridge's pretrain() on GPU, a CPU loop without)
   inspect   print (and optionally plot) what a teacher top-K cache store holds
+  copy      copy a store between a folder, s3:// and msc://, valid at every moment, verified at the end
   plan      per-GPU memory of a KD run by component (weights ... loss head) and whether it fits a GPU (train's
             arguments)
 """
@@ -22,6 +23,7 @@ COMMANDS = {
     "cache": "megatron_kd_plugin.commands.cache",
     "train": "megatron_kd_plugin.commands.train",
     "inspect": "megatron_kd_plugin.commands.inspect",
+    "copy": "megatron_kd_plugin.commands.copy",
     "plan": "megatron_kd_plugin.commands.plan",
 }
 

@@ -34,3 +34,29 @@ def tiny_hf_gpt_oss(tmp_path_factory):
     attention sinks; norms and biases at random values; vocab 512)."""
     return save_tiny_causal_lm(tmp_path_factory.mktemp("hf") / "gpt_oss", "gpt_oss", vocab_size=512, perturb=True,
                                seed=11)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS's ``weed``, ``tests/s3_server.py``) started once per session, with the bucket
+    ``kdtest``; its ``AWS_*`` variables and an MSC config of the profile ``local`` (``MSC_CONFIG``) are set in this
+    process (and so in the subprocesses the tests start) while it runs. Skipped where ``weed`` cannot start."""
+    import os
+
+    from tests.s3_server import LocalS3
+
+    folder = tmp_path_factory.mktemp("s3")
+    try:
+        server = LocalS3.start(folder)
+    except RuntimeError as exc:
+        pytest.skip(f"no local S3 server: {exc}")
+    saved = {name: os.environ.get(name) for name in [*server.env(), "MSC_CONFIG"]}
+    os.environ.update(server.env(), MSC_CONFIG=str(server.msc_config(folder / "msc.json")))
+    server.create_bucket("kdtest")
+    yield server
+    server.stop()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

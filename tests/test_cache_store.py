@@ -397,12 +397,12 @@ def test_full_disk_leaves_an_incomplete_store_and_says_so(tmp_path, monkeypatch)
 
     real, calls = writer.store_shard, []
 
-    def disk_fills_during_second_shard(group, spec, shard, arrays):
+    def disk_fills_during_second_shard(group, spec, shard, arrays, output=None):
         calls.append(shard)
         if len(calls) == 2:
             group[fmt.TOKENS][4:8] = arrays[fmt.TOKENS]          # some data went out, then the disk filled
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(group, spec, shard, arrays)
+        real(group, spec, shard, arrays, output)
 
     monkeypatch.setattr(writer, "store_shard", disk_fills_during_second_shard)
     with pytest.raises(OSError, match="disk full while writing shard 1"):

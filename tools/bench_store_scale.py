@@ -172,7 +172,7 @@ def skeleton(path: pathlib.Path, tokens: float) -> fmt.CacheSpec:
         files = fmt.ShardFiles(path, group, spec)
         for name in files.arrays:
             for shard in range(spec.num_shards):
-                files.file(name, shard).touch()
+                pathlib.Path(files.file(name, shard)).touch()
     return spec
 
 

@@ -96,6 +96,11 @@ class EnsembleRows(RowKind):
     def slots(self) -> int:
         return sum(member.slots() for member in self.members)
 
+    def hint(self, samples) -> None:
+        samples = list(samples)
+        for member in self.members:
+            member.hint(samples)
+
     def row(self, sample: int, window: int) -> KDRow:
         rows = [member.row(sample, window) for member in self.members]
         for member, row in zip(self.members[1:], rows[1:]):

@@ -118,6 +118,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
+from megatron_kd_plugin.cache import storage
 from megatron_kd_plugin.cache.array_names import (ARRAYS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
                                                    PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
                                                    VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
@@ -389,6 +390,8 @@ def create_store(path, spec: CacheSpec) -> None:
     building is refused (ValueError). An OSError (a path that cannot be created, a full disk) names ``path`` and
     what to do, and leaves nothing behind.
     """
+    if isinstance(path, storage.ObjectPrefix):
+        return _create_objects(path, spec)
     path = pathlib.Path(path)
     in_place = path.is_dir() and not path.is_symlink()
     staging = path / CREATING if in_place else path.with_name(f".{path.name}.creating")
@@ -416,9 +419,24 @@ def create_store(path, spec: CacheSpec) -> None:
         raise OSError(exc.errno, f"cannot create the store {path}: {exc.strerror or exc}; {hint}") from exc
 
 
+def _create_objects(prefix: storage.ObjectPrefix, spec: CacheSpec) -> None:
+    """:func:`create_store` on object storage: the store built in memory, then written object by object, every
+    array's zarr.json first and the root zarr.json (the attributes: what makes it a store) last, each one atomic PUT;
+    a killed creation leaves only array zarr.json objects (:func:`interrupted_creation`), replaced by the next."""
+    objects: dict = {}
+    _create_arrays(zarr.open_group(zarr.storage.MemoryStore(objects), mode="w", zarr_format=3), spec)
+    for key in sorted(objects, key=lambda key: (key == "zarr.json", key)):
+        prefix.put(key, objects[key].to_bytes())
+
+
 def interrupted_creation(path) -> bool:
     """Whether the folder ``path`` holds only what a creation inside it left when killed: its staging folder
-    ``.creating`` and array folders moved out of it, no root zarr.json."""
+    ``.creating`` and array folders moved out of it, no root zarr.json (on object storage: only arrays' zarr.json
+    objects and the writers' lease)."""
+    if isinstance(path, storage.ObjectPrefix):
+        folders, objects = path.entries()
+        return set(objects) <= {LOCK_NAME} and bool(folders) and all(
+            name in ARRAYS and path.entries(name) == ([], ["zarr.json"]) for name in folders)
     path = pathlib.Path(path)
     if (path / "zarr.json").exists() or not (path / CREATING).is_dir() or (path / CREATING).is_symlink():
         return False
@@ -534,19 +552,57 @@ def _differences(found, expected, where: str = "") -> list[str]:
     return [] if found == expected else [f"{where} {found!r:.80} on disk, {expected!r:.80} implied"]
 
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
-"""A URL's scheme (``s3://``, ``msc://``, ``gs://``...), also as ``pathlib`` folds it (``s3:/bucket``)."""
-
-
-def local_path(path, what: str = "a store") -> pathlib.Path:
-    """``path`` as a local path; ValueError (one line) for a URL: stores and token data are read and written on a
-    local or mounted file system only (object storage: issue #38), and ``pathlib`` would fold ``s3://bucket/x``
-    into a local folder named ``s3:``."""
-    url = _URL.match(os.fspath(path))
-    if url:
-        raise ValueError(f"{os.fspath(path)}: {what} on object storage ({url.group(1)}://) is not supported yet; copy "
-                         f"it to a local or mounted file system (a FUSE mount of the bucket works) and pass that path")
+def local_path(path, what: str = "token data") -> pathlib.Path:
+    """``path`` as a local path; ValueError (one line) for a URL (``storage.location`` takes stores on object
+    storage; ``pathlib`` would fold ``s3://bucket/x`` into a local folder named ``s3:``)."""
+    if storage.location(path, what) != storage.LocalFolder(pathlib.Path(path)):
+        raise ValueError(f"{os.fspath(path)}: {what} on object storage is not supported; copy it to a local or "
+                         "mounted file system and pass that path")
     return pathlib.Path(path)
+
+
+def store_location(path) -> "pathlib.Path | storage.ObjectPrefix":
+    """A store's place: a local path, or an :class:`storage.ObjectPrefix` for ``s3://`` and ``msc://`` URLs;
+    ValueError (one line) for a URL of another scheme."""
+    where = storage.location(path)
+    return where.path if isinstance(where, storage.LocalFolder) else where
+
+
+def files_of(path) -> "storage.LocalFolder | storage.ObjectPrefix":
+    """The files of the store at ``path`` (a local path or an object prefix), read through one interface."""
+    return path if isinstance(path, storage.ObjectPrefix) else storage.LocalFolder(pathlib.Path(path))
+
+
+def open_group(path, mode: str = "r") -> zarr.Group:
+    """The zarr group of the store at ``path`` (a local path or an :class:`storage.ObjectPrefix`)."""
+    if isinstance(path, storage.ObjectPrefix):
+        return zarr.open_group(path.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+    return zarr.open_group(path, mode=mode)
+
+
+def _documents(path) -> dict:
+    """{array name ("" for the group): its zarr.json, parsed} of the store at ``path``."""
+    documents = {}
+    if isinstance(path, storage.ObjectPrefix):
+        files = [(name, f"{name}/zarr.json" if name else "zarr.json") for name in [""] + path.folders()]
+        read = path.get
+    else:
+        files = [("", "zarr.json")] + [(file.parent.name, f"{file.parent.name}/zarr.json")
+                                       for file in sorted(path.glob("*/zarr.json"))]
+        read = lambda key: (path / key).read_bytes()
+    for name, key in files:
+        try:
+            documents[name] = json.loads(read(key))
+        except FileNotFoundError:
+            if name == "":
+                raise ValueError(f"{path} is not a teacher cache (no zarr.json)") from None
+        except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
+            if isinstance(exc, storage.ConditionFailed) or str(exc).startswith(str(path)):
+                raise
+            raise ValueError(f"{files_of(path).name(key)} is damaged (not valid JSON: {exc}); the store's metadata "
+                             "cannot be repaired: rewrite the store (rerun the cache command that wrote it, plus "
+                             "--overwrite)") from exc
+    return documents
 
 
 def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
@@ -557,19 +613,11 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     (normalised by zarr: :func:`_normalised`) must be what :func:`create_store` writes for those attributes: an
     attribute or a codec setting edited against the arrays is refused here instead of serving wrong rows.
     """
-    path = local_path(path)
-    if not (path / "zarr.json").is_file():
-        raise ValueError(f"{path} is not a teacher cache (no zarr.json)")
-    documents = {}
-    for file in [path / "zarr.json"] + sorted(path.glob("*/zarr.json")):
-        try:
-            documents[file.parent.name if file.parent != path else ""] = json.loads(file.read_bytes())
-        except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{file} is damaged (not valid JSON: {exc}); the store's metadata cannot be repaired: "
-                             "rewrite the store (rerun the cache command that wrote it, plus --overwrite)") from exc
+    path = store_location(path)
+    documents = _documents(path)
     root = documents.pop("")
     if not isinstance(root, dict) or root.get("node_type") != "group" or root.get("zarr_format") != 3:
-        raise ValueError(f"{path / 'zarr.json'} is not the metadata of a zarr v3 group: {path} is not a teacher cache")
+        raise ValueError(f"{files_of(path).name('zarr.json')} is not the metadata of a zarr v3 group: {path} is not a teacher cache")
     attrs = root.get("attributes") if isinstance(root.get("attributes"), dict) else {}
     try:
         spec = CacheSpec.from_attrs(attrs)
@@ -577,7 +625,7 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
         raise ValueError(f"{path}: {exc}") from exc
     version = attrs["version"]
     if version >= 3 and attrs.get("identity") != store_identity(spec, version):
-        raise ValueError(f"{path / 'zarr.json'}: the attributes that decide how rows are read and trained on do not "
+        raise ValueError(f"{files_of(path).name('zarr.json')}: the attributes that decide how rows are read and trained on do not "
                          f"match their checksum (identity {attrs.get('identity')!r} stored, "
                          f"{store_identity(spec, version)!r} computed from format, version and "
                          f"{', '.join(f.name for f in dataclasses.fields(CacheSpec))}): the attributes were edited "
@@ -592,7 +640,7 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
             where = "is missing" if name not in documents else "should not exist"
             raise ValueError(f"{path}: the array {name} {where} for the store's attributes ({implied}): the store's "
                              "zarr.json was edited or the store is damaged")
-        file = path / name / "zarr.json"
+        file = files_of(path).name(f"{name}/zarr.json")
         try:
             found = _normalised(documents[name])
         except (ValueError, TypeError, KeyError) as exc:
@@ -601,32 +649,42 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
         if listed:
             raise ValueError(f"{file}: the attributes ({implied}) do not match the array {name} ("
                              f"{'; '.join(listed[:6])}): the store's zarr.json was edited or the store is damaged")
-    return zarr.open_group(path, mode=mode), spec
+    return open_group(path, mode), spec
 
 
 class ShardFiles:
-    """The files of the shards of the store at ``path`` (opened as ``group``, ``spec``): which shards are written,
-    which of their files are missing, and deleting one so that a writer redoes it.
+    """The files of the shards of the store at ``path`` (a local path or an object prefix, opened as ``group``,
+    ``spec``): which shards are written, which of their files are missing, and deleting one so that a writer redoes
+    it.
 
     Version 5: a shard is written when its ``chunk_records`` file exists (written after the shard's data, by an
-    atomic rename); versions 2 to 4: when its ``shard_done`` element is 1. Every check stats only the files of the
-    shards asked about, so each writer rank checks its own shards in time proportional to their number, whatever
-    the size of the store.
+    atomic rename or one PUT); versions 2 to 4: when its ``shard_done`` element is 1. On a local disk every check
+    stats only the files of the shards asked about, so each writer rank checks its own shards in time proportional
+    to their number, whatever the size of the store; on object storage one listing of an array's folder answers for
+    all its shards (N/P keys).
     """
 
     def __init__(self, path, group: zarr.Group, spec: CacheSpec):
-        self.path, self.spec, self.version = pathlib.Path(path), spec, group.attrs["version"]
+        self.path, self.spec, self.version = store_location(path), spec, group.attrs["version"]
+        self.files = files_of(self.path)
         self.arrays = {name: group[name].metadata for name in sample_arrays(spec, self.version)}
         self._markers = group[SHARD_DONE] if self.version < 5 else None
+        self._listed: dict[str, set[str]] = {}
 
-    def file(self, name: str, shard: int) -> pathlib.Path:
-        """The file of array ``name`` that holds shard ``shard``."""
-        return pathlib.Path(self._file(name, shard))
+    def file(self, name: str, shard: int) -> str:
+        """The file (or object) of array ``name`` that holds shard ``shard``, as a text naming it."""
+        return self.files.name(self._key(name, shard))
 
-    def _file(self, name: str, shard: int) -> str:
+    def _key(self, name: str, shard: int) -> str:
         metadata = self.arrays[name]
-        key = metadata.encode_chunk_key((int(shard),) + (0,) * (len(metadata.shape) - 1))
-        return os.path.join(self.path, name, key)
+        return f"{name}/{metadata.encode_chunk_key((int(shard),) + (0,) * (len(metadata.shape) - 1))}"
+
+    def _exists(self, name: str, shard: int) -> bool:
+        if isinstance(self.files, storage.LocalFolder):
+            return self.files.exists(self._key(name, shard))
+        if name not in self._listed:
+            self._listed[name] = set(self.files.keys(f"{name}/"))
+        return self._key(name, shard) in self._listed[name]
 
     def written(self, shards=None) -> list[int]:
         """The shards of ``shards`` (default: all) that are completely written, ascending."""
@@ -634,7 +692,7 @@ class ShardFiles:
         if self._markers is not None:
             done = self._markers[:]
             return [int(shard) for shard in shards if done[shard]]
-        return [int(shard) for shard in shards if os.path.isfile(self._file(RECORDS, shard))]
+        return [int(shard) for shard in shards if self._exists(RECORDS, shard)]
 
     def missing_files(self, shards=None) -> list[str]:
         """The files of the written shards among ``shards`` (default: all) that do not exist, as texts naming each
@@ -642,10 +700,9 @@ class ShardFiles:
         missing = []
         for shard in self.written(shards):
             for name in self.arrays:
-                file = self._file(name, shard)
-                if not os.path.isfile(file):
+                if not self._exists(name, shard):
                     begin, end = self.spec.shard_range(shard)
-                    missing.append(f"{file} (samples [{begin}, {end}))")
+                    missing.append(f"{self.file(name, shard)} (samples [{begin}, {end}))")
         return missing
 
     def missing_samples(self) -> list[tuple[int, int]]:
@@ -668,8 +725,12 @@ class ShardFiles:
         if self._markers is not None:
             raise ValueError(f"{self.path} is a store of format version {self.version}; only version {FORMAT_VERSION} "
                              "stores are rewritten shard by shard")
+        self._listed.clear()
         for name in [RECORDS] + [name for name in self.arrays if name != RECORDS]:
-            self.file(name, shard).unlink(missing_ok=True)
+            if isinstance(self.files, storage.LocalFolder):
+                (self.files.path / self._key(name, shard)).unlink(missing_ok=True)
+            else:
+                self.files.delete(self._key(name, shard))
 
 
 _PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")
@@ -693,7 +754,7 @@ def _store_file(parts: tuple[str, ...]) -> bool:
     return parts[1] == "c" and all(_CHUNK.match(part) for part in parts[2:-1] + (name,))
 
 
-def foreign_entries(path, deep: bool = True) -> list[str]:
+def foreign_entries(path, deep: bool = True, named: bool = True) -> list[str]:
     """What in the folder ``path`` is not part of a store of this project (empty: all of it is), as short texts.
 
     A store of this project is known by its own root zarr.json naming one of :data:`FORMAT_NAMES` (a folder that
@@ -701,8 +762,11 @@ def foreign_entries(path, deep: bool = True) -> list[str]:
     zarr.json files, chunk files (``ARRAY/c.N.0`` and, before version 5, under ``ARRAY/c/``), zarr's temporaries and
     its lock file. Symbolic links are never part of one. ``deep``: every file of every array folder is checked (what
     deleting the store needs); otherwise only the store's root and its array folders themselves (what writing its
-    own chunk files into it needs: constant time, whatever the size of the store).
+    own chunk files into it needs: constant time, whatever the size of the store). ``named``: a root zarr.json
+    naming this tool's format is required (without: only the layout is checked, what an interrupted copy holds).
     """
+    if isinstance(path, storage.ObjectPrefix):
+        return _foreign_objects(path, deep, named)
     path = pathlib.Path(path)
     if path.is_symlink() or not path.is_dir():
         return [f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}"]
@@ -722,8 +786,27 @@ def foreign_entries(path, deep: bool = True) -> list[str]:
                 foreign.append(f"it holds the file {entry}")
         if not deep:
             break
+    return foreign + (_foreign_format(lambda: (path / "zarr.json").read_bytes()) if named else [])
+
+
+def _foreign_objects(prefix: storage.ObjectPrefix, deep: bool, named: bool) -> list[str]:
+    """:func:`foreign_entries` of an object prefix: its keys (``deep``: all of them; else one level) against a
+    store's."""
+    if deep:
+        keys = [tuple(key.split("/")) for key in prefix.keys()]
+    else:
+        folders, objects = prefix.entries()
+        keys = [(name,) for name in objects] + [(name, "zarr.json") for name in folders]
+    foreign = [f"it holds the object {prefix.name('/'.join(parts))}" for parts in keys
+               if not (_store_file(parts) and not any(is_partial(pathlib.Path(part)) for part in parts))]
+    return foreign + (_foreign_format(lambda: prefix.get("zarr.json")) if named else [])
+
+
+def _foreign_format(read) -> list[str]:
+    """[] when ``read()`` (a store's root zarr.json) names this tool's format, else what it is."""
+    foreign = []
     try:
-        document = json.loads((path / "zarr.json").read_bytes())
+        document = json.loads(read())
     except FileNotFoundError:
         foreign.append("it has no zarr.json naming this tool's format")
     except (ValueError, OSError) as exc:
@@ -746,8 +829,10 @@ def remove_partials(path) -> int:
     """Deletes the temporaries a kill left in the store at ``path`` (between zarr's write and rename); their count.
 
     Call only while no process writes the store's chunks (every writer finished, or the writers' lock held
-    exclusively).
+    exclusively). Object storage has no temporaries (a PUT is atomic).
     """
+    if isinstance(path, storage.ObjectPrefix):
+        return 0
     partials = [file for file in pathlib.Path(path).rglob("*.partial") if is_partial(file)
                 and _store_file(file.relative_to(path).parts)]
     for file in partials:

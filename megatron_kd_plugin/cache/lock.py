@@ -48,6 +48,9 @@ class WriterLock:
                              f"(`fuser -v {self.path}` lists it; killing torchrun alone leaves its workers running)"
                              "; wait for that run to end or stop all its processes, then rerun") from exc
 
+    def check(self) -> None:
+        """Nothing: a POSIX lock cannot be lost while its process lives (``lease.WriterLease.check`` can)."""
+
     def release(self) -> None:
         """Closes the file, which drops this process's lock."""
         if self._fd is not None:

@@ -15,13 +15,15 @@ its ids lie in the vocabulary (``records.py``): damage, or a store replaced sinc
 
 from __future__ import annotations
 
-import pathlib
+import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.read_ahead import ReadAhead
 from megatron_kd_plugin.cache.records import SampleReader
 from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher
 
@@ -35,11 +37,15 @@ class CachedSample(NamedTuple):
     realised_logprob: torch.Tensor | None    # [S] float32 log-prob of each realised token; None: not stored
 
 
+_WORKERS = ("a store on object storage is read by the training process itself (its read-ahead threads do not "
+            "survive a fork, its client not a pickle): set dataset.num_workers=0")
+
+
 class TopKCacheReader:
     """Reads a complete store; cheap to construct (it reads only metadata)."""
 
     def __init__(self, path):
-        self.path = fmt.local_path(path)
+        self.path = fmt.store_location(path)
         group, self.spec = fmt.open_store(self.path)
         if group.attrs.get("complete") is not True:
             missing = fmt.ShardFiles(self.path, group, self.spec).missing_samples()
@@ -48,6 +54,8 @@ class TopKCacheReader:
                              "to complete it")
         self.group = group
         self._samples = SampleReader(self.path, group, self.spec)     # every per-sample array of the store
+        self._ahead = ReadAhead(self._samples) if isinstance(self.path, storage.ObjectPrefix) else None
+        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return self.spec.num_samples
@@ -79,7 +87,26 @@ class TopKCacheReader:
     def sample_arrays(self, sample: int, names=None) -> dict[str, np.ndarray]:
         """The stored arrays of ``sample`` (``names``: only those) as numpy, in their on-disk dtypes (one chunk
         each), checked."""
-        return self._samples.read(sample, names)
+        if self._ahead is None:
+            return self._samples.read(sample, names)
+        self._refuse_other_process()
+        return self._ahead.read(sample, names)
+
+    def hint(self, samples) -> None:
+        """The samples to be read next, in order: fetched ahead on object storage (``read_ahead.py``); nothing on
+        a local disk (the page cache reads ahead)."""
+        if self._ahead is not None:
+            self._refuse_other_process()
+            self._ahead.hint(samples)
+
+    def _refuse_other_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ValueError(_WORKERS)
+
+    def __getstate__(self):
+        if self._ahead is not None:
+            raise ValueError(_WORKERS)
+        return self.__dict__
 
     def vocab_table(self):
         """The teacher tokenizer's byte table of a cross-tokenizer store (``token_bytes.TokenBytes``); ValueError

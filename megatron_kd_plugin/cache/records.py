@@ -24,7 +24,6 @@ error says the store was replaced.
 from __future__ import annotations
 
 import json
-import pathlib
 import warnings
 
 import google_crc32c
@@ -50,11 +49,15 @@ def shard_records(path, group: zarr.Group, spec: fmt.CacheSpec, shard: int) -> n
     records = np.zeros((end - begin, len(names)), dtype=np.uint32)
     for column, name in enumerate(names):
         array = group[name]
-        checksums = open_chunk_reader(pathlib.Path(path, name), array).stored_checksums(
+        checksums = open_chunk_reader(fmt.files_of(path), name, array).stored_checksums(
             (begin,) + (0,) * (array.ndim - 1)).reshape(-1)
         for row, sample in enumerate(range(begin, end)):
             records[row, column] = chunk_record(identity, name, sample, checksums[row])
     return records
+
+
+VERIFY_BATCH = 64
+"""Samples of a shard read together when verifying (one request per array on object storage)."""
 
 
 class SampleReader:
@@ -63,18 +66,19 @@ class SampleReader:
     and what to do."""
 
     def __init__(self, path, group: zarr.Group, spec: fmt.CacheSpec, names: list[str] | None = None):
-        self.path, self.spec = pathlib.Path(path), spec
+        self.path, self.spec = fmt.store_location(path), spec
+        self.files = fmt.files_of(self.path)
         self.version, self.identity = group.attrs["version"], group.attrs.get("identity")
         self.opened_attrs = self._described(dict(group.attrs))
         self.bound = fmt.bound_arrays(spec, self.version)
         if names is None:
             names = [name for name in fmt.sample_arrays(spec, self.version) if name != fmt.RECORDS]
         self.names = list(names)
-        self.readers = {name: open_chunk_reader(self.path / name, group[name])
+        self.readers = {name: open_chunk_reader(self.files, name, group[name])
                         for name in self.names + [fmt.RECORDS] * bool(self.bound)}
         self._records = BoundedCache()
-        if None in self.readers.values():              # open_store checked the layout: not a local folder
-            raise ValueError(f"{self.path}: the store is not a folder on a local file system")
+        if None in self.readers.values():              # open_store checked the layout
+            raise ValueError(f"{self.path}: the store's arrays are not laid out as this reader reads them")
         if not self.bound:
             warnings.warn(f"{self.path} is a cache of format version {self.version}: its chunks are not bound to "
                           "their places and its attributes carry no checksum, so a moved, swapped or copied shard "
@@ -88,31 +92,40 @@ class SampleReader:
 
     def read(self, sample: int, names=None) -> dict[str, np.ndarray]:
         """Sample ``sample``'s chunks of ``names`` (default: every array this reader was opened for), checked."""
+        return self.read_many([sample], names)[0]
+
+    def read_many(self, samples, names=None) -> list[dict[str, np.ndarray]]:
+        """:meth:`read` of each of ``samples``, each array's chunks of one shard fetched together (one request for
+        neighbours on object storage)."""
+        samples = [int(sample) for sample in samples]
         try:
-            return self._read(sample, names)
+            return self._read(samples, names)
         except DamagedStoreError:
             for reader in self.readers.values():
                 reader.clear()
             self._records.clear()
         try:
-            return self._read(sample, names)
+            return self._read(samples, names)
         except DamagedStoreError as exc:
             self._refuse_if_replaced(exc)
             raise
 
-    def _read(self, sample: int, names=None) -> dict[str, np.ndarray]:
-        out, checksums = {}, {}
+    def _read(self, samples: list[int], names=None) -> list[dict[str, np.ndarray]]:
+        out: list[dict] = [{} for _ in samples]
+        checksums: list[dict] = [{} for _ in samples]
         for name in self.names if names is None else [name for name in self.names if name in names]:
             reader = self.readers[name]
-            values, checksums[name] = reader.read((sample,) + (0,) * (len(reader.chunk_shape) - 1))
-            out[name] = values[0]
-        if self.bound:
-            records = self._shard_records(sample)[sample % self.spec.samples_per_shard]
-            for column, name in enumerate(self.bound):
-                if name in checksums and records[column] != chunk_record(self.identity, name, sample,
-                                                                         checksums[name]):
-                    raise DamagedStoreError(self._misplaced(name, sample))
-        self._check_ids(out, sample)
+            rest = (0,) * (len(reader.chunk_shape) - 1)
+            for row, (values, checksum) in enumerate(reader.read_many([(sample,) + rest for sample in samples])):
+                out[row][name], checksums[row][name] = values[0], checksum
+        for row, sample in enumerate(samples):
+            if self.bound:
+                records = self._shard_records(sample)[sample % self.spec.samples_per_shard]
+                for column, name in enumerate(self.bound):
+                    if name in checksums[row] and records[column] != chunk_record(self.identity, name, sample,
+                                                                                  checksums[row][name]):
+                        raise DamagedStoreError(self._misplaced(name, sample))
+            self._check_ids(out[row], sample)
         return out
 
     def _shard_records(self, sample: int) -> np.ndarray:
@@ -127,7 +140,7 @@ class SampleReader:
     def _where(self, name: str, sample: int) -> str:
         reader = self.readers[name]
         coords = (sample // reader.chunk_shape[0],) + (0,) * (len(reader.chunk_shape) - 1)
-        return reader.where(reader.shard_path(coords), tuple(c // p for c, p in zip(coords, reader.per_shard)))
+        return reader.where(reader.shard_of(coords))
 
     def _misplaced(self, name: str, sample: int) -> str:
         return (f"{self._where(name, sample)}: the chunk of sample {sample} was not written there for this store "
@@ -150,7 +163,7 @@ class SampleReader:
 
     def _refuse_if_replaced(self, exc: DamagedStoreError) -> None:
         try:
-            now = self._described(json.loads((self.path / "zarr.json").read_bytes()).get("attributes", {}))
+            now = self._described(json.loads(self.files.get("zarr.json")).get("attributes", {}))
         except (OSError, ValueError, AttributeError):
             now = None
         if now != self.opened_attrs:
@@ -164,9 +177,10 @@ class SampleReader:
         :func:`verify_shards` spreads a store over several)."""
         damaged = {}
         for shard in shards:
-            for sample in range(*self.spec.shard_range(int(shard))):
+            samples = range(*self.spec.shard_range(int(shard)))
+            for begin in range(0, len(samples), VERIFY_BATCH):
                 try:
-                    self._read(sample)
+                    self._read(list(samples[begin:begin + VERIFY_BATCH]))
                 except DamagedStoreError as exc:
                     damaged[int(shard)] = str(exc)
                     break

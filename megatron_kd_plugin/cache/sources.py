@@ -5,7 +5,8 @@ tokenizer's end-of-text id when it has one) and cut like Megatron's GPTDataset: 
 ``stream[i·S : i·S + S + 1]`` (consecutive windows share one token), so there are ``(len(stream) − 1) // S``.
 
 Two sources: a Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``, read through
-``megatron.core.datasets.indexed_dataset.IndexedDataset``) and JSONL text with a ``tokenizers`` tokenizer.json
+``megatron.core.datasets.indexed_dataset.IndexedDataset``; on object storage, ``s3://`` or ``msc://``, as its
+object-storage reader does: ``object_tokens.py``) and JSONL text with a ``tokenizers`` tokenizer.json
 (or, when ``transformers`` is installed, any name/folder ``AutoTokenizer`` accepts). Each source has a content
 ``fingerprint`` (SHA-256 of its files, the windowing and the sample count) that the store records.
 """
@@ -22,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_kd_plugin.cache.format import local_path
+from megatron_kd_plugin.cache.storage import is_object_url
 
 
 def file_digest(paths, extra: str = "") -> str:
@@ -107,32 +109,44 @@ class TokenWindows:
 def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | None = None,
                             tokenizer: str = "") -> TokenWindows:
     """Windows over a Megatron indexed dataset ``prefix`` (``.bin``/``.idx``); ``tokenizer``: its identity."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader
 
-    paths = [pathlib.Path(prefix + suffix) for suffix in (".idx", ".bin")]
-    for path in paths:
-        if not path.is_file():
-            raise ValueError(f"indexed dataset file {path} does not exist (--data takes the PREFIX of "
-                             "PREFIX.bin/PREFIX.idx)")
-    check_index_file(paths[0])
-    if paths[1].stat().st_size == 0:
-        raise ValueError(f"{paths[1]} is empty: the indexed dataset holds no tokens")
-    index = IndexedDataset(prefix, multimodal=False, mmap=True).index
+    if is_object_url(prefix):
+        from megatron_kd_plugin.cache.object_tokens import ObjectIndexedDataset
+
+        remote = ObjectIndexedDataset(prefix)
+        index_file, bin_name, size, fingerprint = remote.cached_index(), remote.bin_name, remote.bin_size, \
+            remote.digest
+    else:
+        paths = [pathlib.Path(prefix + suffix) for suffix in (".idx", ".bin")]
+        for path in paths:
+            if not path.is_file():
+                raise ValueError(f"indexed dataset file {path} does not exist (--data takes the PREFIX of "
+                                 "PREFIX.bin/PREFIX.idx)")
+        index_file, bin_name, size = paths[0], str(paths[1]), paths[1].stat().st_size
+        fingerprint = lambda: file_digest(paths)                                  # noqa: E731
+    check_index_file(index_file)
+    if size == 0:
+        raise ValueError(f"{bin_name} is empty: the indexed dataset holds no tokens")
+    index = _IndexReader(str(index_file), multimodal=False) if is_object_url(prefix) else \
+        IndexedDataset(prefix, multimodal=False, mmap=True).index
     ends = index.sequence_pointers + index.sequence_lengths.astype(np.int64) * index.dtype_size
     if len(ends) and (index.sequence_pointers[0] != 0 or np.any(index.sequence_pointers[1:] != ends[:-1])):
-        raise ValueError(f"{prefix}.bin does not store its documents back to back")
+        raise ValueError(f"{bin_name} does not store its documents back to back")
     total = int(index.sequence_lengths.sum())
     if total == 0:
         raise ValueError(f"indexed dataset {prefix} holds no tokens")
-    size, needed = paths[1].stat().st_size, total * index.dtype_size
+    needed = total * index.dtype_size
     if size < needed:
-        raise ValueError(f"{paths[1]} holds {size} bytes but {paths[0]} describes {total} tokens of "
+        raise ValueError(f"{bin_name} holds {size} bytes but {index_file} describes {total} tokens of "
                          f"{np.dtype(index.dtype).name} ({needed} bytes): the .bin is truncated or belongs to "
                          "another .idx")
-    # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped
-    stream = np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
-    return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=lambda: file_digest(paths),
-                        tokenizer=tokenizer, tokenizer_vocab_size=None, name=str(paths[1]))
+    # the documents lie back to back in the .bin: the stream is the file itself, memory-mapped (on object storage:
+    # read by ranges)
+    stream = remote.tokens(index.dtype, total) if is_object_url(prefix) else \
+        np.memmap(paths[1], dtype=index.dtype, mode="r", shape=(total,))
+    return TokenWindows(stream, seq_length, num_samples=num_samples, fingerprint=fingerprint,
+                        tokenizer=tokenizer, tokenizer_vocab_size=None, name=bin_name)
 
 
 def check_index_file(path: pathlib.Path) -> None:
@@ -218,9 +232,15 @@ def jsonl_windows(path: str, tokenizer: str, seq_length: int, *, num_samples: in
 
 def open_source(data: str, seq_length: int, *, tokenizer: str | None = None, num_samples: int | None = None,
                 text_key: str = "text") -> TokenWindows:
-    """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix."""
-    local_path(data, "token data")
+    """``data`` ending in .jsonl/.json: JSONL text (needs ``tokenizer``); else an indexed-dataset prefix, local or
+    on object storage (``s3://``, ``msc://``: ``object_tokens.py``)."""
+    remote = is_object_url(data)
+    if not remote:
+        local_path(data, "token data")
     if data.endswith((".jsonl", ".json")):
+        if remote:
+            raise ValueError(f"{data}: JSONL token data on object storage is not supported; pass a Megatron indexed "
+                             "dataset prefix there, or a local copy of the JSONL file")
         if not tokenizer:
             raise ValueError(f"JSONL data {data} needs --tokenizer (a tokenizer.json file or a HF name)")
         return jsonl_windows(data, tokenizer, seq_length, num_samples=num_samples, text_key=text_key)

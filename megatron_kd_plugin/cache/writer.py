@@ -22,11 +22,17 @@ Repair (``repair``): the same settings as the run that wrote the store; every da
 exactly those, byte for byte what a clean run writes.
 
 One run at a time: every process holds the store's writers' lock (``lock.py``) for the whole run, so a second run
-on the same store is refused while any process of the first lives.
+on the same store is refused while any process of the first lives; on object storage rank 0 holds a lease object
+renewed by conditional writes instead (``lease.py``).
+
+Object storage (``s3://``, ``msc://``; ``storage.py``): the same steps, each file one atomic PUT instead of a
+write and a rename (``format.create_store`` writes the root zarr.json last; a shard's records after its data), so
+a store there is readable only when complete, and a run killed at any moment resumes to the same objects.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import pathlib
 import shutil
@@ -41,6 +47,8 @@ import zarr
 
 from megatron_kd_plugin.cache import format as fmt
 from megatron_kd_plugin.cache.chunk_reader import REPAIR
+from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.lease import WriterLease, writer_lock
 from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources import TokenWindows
@@ -117,6 +125,8 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) ->
     ``overwrite`` or not, naming what it holds; an empty folder is written into (kept: a mount point works). A live
     writer of the store is refused (ValueError).
     """
+    if isinstance(output, storage.ObjectPrefix):
+        return _prepare_objects(output, spec, overwrite)
     if output.is_dir() and not output.is_symlink() and (not any(output.iterdir()) or fmt.interrupted_creation(output)):
         fmt.create_store(output, spec)
         return WriterLock(output).exclusive()
@@ -151,6 +161,37 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) ->
     return WriterLock(output).exclusive()
 
 
+def _prepare_objects(output: storage.ObjectPrefix, spec: fmt.CacheSpec, overwrite: bool) -> WriterLease:
+    """:func:`prepare_store` on object storage: the lease first (``lease.py``), then the same decisions over the
+    prefix's objects; replacing a store deletes its objects (all of them this project's), the lease last."""
+    lock = WriterLease(output).exclusive()
+    try:
+        if output.is_empty(ignore=LOCK_NAME) or fmt.interrupted_creation(output):
+            fmt.create_store(output, spec)
+            return lock
+        _refuse_foreign(output, overwrite, deep=False)
+        try:
+            group, on_disk = fmt.open_store(output, mode="r+")
+            differences = spec.differences(on_disk)
+            if group.attrs["version"] != spec.format_version:
+                differences["version"] = (spec.format_version, group.attrs["version"])
+        except ValueError as exc:
+            differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
+        if differences:
+            _refuse_foreign(output, overwrite, deep=True)
+            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
+            if not overwrite:
+                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
+                                 "--overwrite to replace it, or choose another --output (--repair rewrites the "
+                                 "damaged shards of a store written with the same settings only)")
+            output.delete(["zarr.json"] + [key for key in output.keys() if key not in ("zarr.json", LOCK_NAME)])
+            fmt.create_store(output, spec)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def _refuse_foreign(output: pathlib.Path, overwrite: bool, *, deep: bool) -> None:
     """ValueError naming what ``output`` holds unless it is a store of this project (``format.foreign_entries``)."""
     foreign = fmt.foreign_entries(output, deep=deep)
@@ -167,7 +208,7 @@ def prepare_shards(output: pathlib.Path, spec: fmt.CacheSpec, shards: range, rep
     ones deleted (reported on stdout), so that the shard loop rewrites them."""
     if not shards:
         return
-    group = zarr.open_group(output, mode="r")
+    group = fmt.open_group(output, mode="r")
     files = fmt.ShardFiles(output, group, spec)
     if not repair:
         missing = files.missing_files(shards)
@@ -253,19 +294,22 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
     return {fmt.TOKENS: windows.astype(np.int32)} | out if out else {}
 
 
-def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
+def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray],
+                output=None) -> None:
     """The shard's data first, then its records (bound to the chunks just written), which mark it written
-    (``format.ShardFiles``)."""
+    (``format.ShardFiles``); ``output``: the store's place (default: the local folder of ``group``)."""
     begin, end = spec.shard_range(shard)
     for name, values in arrays.items():
         group[name][begin:end] = values
-    group[fmt.RECORDS][begin:end] = shard_records(group.store.root, group, spec, shard)
+    output = group.store.root if output is None else output
+    group[fmt.RECORDS][begin:end] = shard_records(output, group, spec, shard)
 
 
-def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray]) -> None:
+def write_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray],
+                output=None) -> None:
     """:func:`store_shard`; a full disk leaves the shard unmarked and says what to do."""
     try:
-        store_shard(group, spec, shard, arrays)
+        store_shard(group, spec, shard, arrays, output)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             begin, end = spec.shard_range(shard)
@@ -282,10 +326,13 @@ def owned_shards(num_shards: int, dp_rank: int, dp_size: int) -> range:
     return range(begin, begin + per + (dp_rank < extra))
 
 
-def finish(output: pathlib.Path, spec: fmt.CacheSpec) -> None:
-    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is written; deletes
-    the temporaries killed runs left (every writer of this run is done)."""
-    group = zarr.open_group(output, mode="r+")
+def finish(output: pathlib.Path, spec: fmt.CacheSpec, lock=None) -> None:
+    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is written and that
+    this run still holds the writers' ``lock``; deletes the temporaries killed runs left (every writer of this run
+    is done)."""
+    if lock is not None:
+        lock.check()
+    group = fmt.open_group(output, mode="r+")
     missing = fmt.ShardFiles(output, group, spec).missing_samples()
     if missing:
         raise ValueError(f"cannot finish {output}: samples {fmt.describe_ranges(missing)} are not written")
@@ -300,7 +347,7 @@ def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, 
     repair marks the store incomplete until it finishes (its damaged shards are deleted next)."""
     lock = prepare_store(output, spec, overwrite)
     try:
-        group = zarr.open_group(output, mode="r+")
+        group = fmt.open_group(output, mode="r+")
         if vocab_table is not None:
             group[fmt.VOCAB_OFFSETS][:] = vocab_table.offsets
             group[fmt.VOCAB_BYTES][:] = vocab_table.bytes
@@ -314,7 +361,7 @@ def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, 
 
 def _join_shared(output: pathlib.Path, lock: WriterLock | None) -> WriterLock:
     """Rank 0's shared lock; every other rank takes its own (after rank 0's turned shared)."""
-    return lock if lock is not None else WriterLock(output).shared()
+    return lock if lock is not None else writer_lock(output, exclusive=False)
 
 
 def _preparer(dp_rank: int) -> bool:
@@ -332,7 +379,7 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
                   micro_batch_size: int, tp_group, dp_size: int, shards: range, progress: bool,
                   on_shard_written: Callable[[int], None]) -> WriteStats:
     """Computes the shards of ``shards`` not yet written and, on TP rank 0 of the last pipeline stage, writes them."""
-    group = zarr.open_group(output, mode="r+")
+    group = fmt.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     writes = tp_rank == 0
     stats = WriteStats()
@@ -346,15 +393,37 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
                unit="tok", unit_scale=True, desc=f"caching (DP rank 0 of {dp_size})", disable=not show)
     loop_start = time.perf_counter()
     on_shard_written(stats.shards_written)
-    for shard in todo:
-        begin, end = spec.shard_range(shard)
-        arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
-                               micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
-        if writes and arrays:
-            write_shard(group, spec, shard, arrays)
+    def written(tokens: int) -> None:
         stats.shards_written += 1
-        bar.update((end - begin) * spec.seq_length)
+        bar.update(tokens)
         on_shard_written(stats.shards_written)
+
+    # on object storage a shard's PUTs overlap the next shard's computation (one shard in flight; a shard counts as
+    # written, and ``on_shard_written`` hears of it, once its records are stored)
+    uploads = concurrent.futures.ThreadPoolExecutor(1) if writes and isinstance(output, storage.ObjectPrefix) else None
+    in_flight = None
+    try:
+        for shard in todo:
+            begin, end = spec.shard_range(shard)
+            arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
+                                   micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
+            if in_flight is not None:
+                in_flight[0].result()
+                written(in_flight[1])
+                in_flight = None
+            tokens = (end - begin) * spec.seq_length
+            if uploads is not None and arrays:
+                in_flight = (uploads.submit(write_shard, group, spec, shard, arrays, output), tokens)
+                continue
+            if writes and arrays:
+                write_shard(group, spec, shard, arrays, output)
+            written(tokens)
+        if in_flight is not None:
+            in_flight[0].result()
+            written(in_flight[1])
+    finally:
+        if uploads is not None:
+            uploads.shutdown(wait=True)
     stats.total_seconds = time.perf_counter() - loop_start
     bar.close()
     return stats
@@ -363,7 +432,11 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
 def refuse_while_written(output) -> None:
     """ValueError on every rank while another run holds the writers' lock of the store at ``output``: the cache
     command asks before it loads the teacher (minutes for a large one); ``write_cache`` takes the lock for real."""
-    lock_file = fmt.local_path(output) / LOCK_NAME
+    output = fmt.store_location(output)
+    if isinstance(output, storage.ObjectPrefix):
+        _agreed(WriterLease(output).probe)
+        return
+    lock_file = output / LOCK_NAME
     _agreed(lambda: lock_file.is_file() and WriterLock(output).exclusive().release())
 
 
@@ -395,7 +468,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
     run writes the store; OSError naming ``output`` when it cannot be created or the disk fills. """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    output = fmt.local_path(output)
+    output = fmt.store_location(output)
     share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
@@ -420,7 +493,7 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
         if after_shards is not None:
             after_shards()
         _barrier()
-        _agreed(finish, output, spec)
+        _agreed(finish, output, spec, lock)
         _barrier()
     finally:
         lock.release()

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache import storage
 from megatron_kd_plugin.cache.kinds import store_kind
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,12 +66,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--teacher-loader", default=None,
                    help="module:function(path, tp_size) -> model, instead of megatron_kd_plugin.models.gpt.load_gpt")
     p.add_argument("--vocab-size", type=int, default=None, help="teacher vocab size (needed with --teacher-loader)")
-    p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx) or a .jsonl file")
+    p.add_argument("--data", required=True, help="Megatron indexed dataset PREFIX (.bin/.idx; also s3://... or "
+                   "msc://..., read as megatron-core's IndexedDataset reads object storage) or a .jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or HF name/folder; default for a HF teacher: "
                    "its checkpoint folder); required for JSONL, recorded as the tokenizer identity and checked "
                    "against the teacher vocab")
     p.add_argument("--text-key", default="text", help="JSONL field holding the text")
-    p.add_argument("--output", required=True, help="store path (a directory, e.g. cache.zarr)")
+    p.add_argument("--output", required=True, help="store path: a directory (e.g. cache.zarr), s3://BUCKET/PREFIX "
+                   "or msc://PROFILE/PATH (docs/cache.md \"Object storage\")")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
     p.add_argument("--num-samples", type=int, default=None, help="first N windows only (default: all)")
     p.add_argument("--topk", type=int, default=None, help="K of a top-K store (default 100)")
@@ -256,8 +259,9 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
     from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
-    fmt.local_path(args.output)                                   # before anything loads
-    fmt.local_path(args.data, "token data")
+    fmt.store_location(args.output)                               # before anything loads
+    if not storage.is_object_url(args.data):
+        fmt.local_path(args.data, "token data")
     kind = teacher_kind(args)
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
@@ -337,7 +341,9 @@ def cross_tokenizer_table(args, tokenizer: str | None, vocab_size: int):
 
 def report(args, source, stats) -> None:
     """The run's summary lines (printed by the first writer of the last pipeline stage)."""
-    stored = sum(f.stat().st_size for f in pathlib.Path(args.output).rglob("*") if f.is_file())
+    output = fmt.store_location(args.output)
+    stored = sum(output.sizes().values()) if isinstance(output, storage.ObjectPrefix) else \
+        sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
     tokens = len(source) * source.seq_length
     spec = TopKCacheReader(args.output).spec
     slots = spec.kind.describe(spec)

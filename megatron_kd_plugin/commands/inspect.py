@@ -25,14 +25,22 @@ import warnings
 import numpy as np
 
 from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache import storage
 from megatron_kd_plugin.cache.chunk_reader import REPAIR
 from megatron_kd_plugin.cache.records import SampleReader, verify_shards
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 
 
-def stored_bytes(path: pathlib.Path) -> dict[str, int]:
-    """Bytes on disk per top-level entry of the store, zarr's temporaries (``*.partial``) left out."""
+def stored_bytes(path) -> dict[str, int]:
+    """Bytes on disk (or in the object store) per top-level entry of the store, zarr's temporaries (``*.partial``)
+    left out."""
+    if isinstance(path, storage.ObjectPrefix):
+        sizes: dict[str, int] = {}
+        for key, size in path.sizes().items():
+            sizes[key.split("/")[0]] = sizes.get(key.split("/")[0], 0) + size
+        return dict(sorted(sizes.items()))
+
     def size(entry: pathlib.Path) -> int:
         return sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and not fmt.is_partial(f)) \
             if entry.is_dir() else entry.stat().st_size
@@ -58,7 +66,7 @@ def describe(path, samples: int = 256, check: bool = False,
              workers: int = 1) -> tuple[str, dict[str, np.ndarray]]:
     """(the report text, {"top-K mass": values, "entropy": values}) of the store at ``path``; ``check``: verify
     every written chunk first, ``workers`` processes at once (see :func:`verify`)."""
-    path = fmt.local_path(path)
+    path = fmt.store_location(path)
     group, spec = fmt.open_store(path)
     files = fmt.ShardFiles(path, group, spec)
     written = files.written()
@@ -83,7 +91,7 @@ def describe(path, samples: int = 256, check: bool = False,
                  f"{sum(sizes.values()) / max(1, done * spec.seq_length):.1f} bytes/token written "
                  f"({slots}, {spec.logprob_codec})")
     lines += [f"  {name:<20} {size / max(1, done * spec.seq_length):8.1f} bytes/token" for name, size in sizes.items()]
-    partials = [f for f in path.rglob("*") if fmt.is_partial(f)]
+    partials = [] if isinstance(path, storage.ObjectPrefix) else [f for f in path.rglob("*") if fmt.is_partial(f)]
     if partials:
         lines.append(f"  {len(partials)} temporary files a killed run left (not counted; the next run deletes them)")
     if check:
@@ -128,7 +136,7 @@ def plot(stats: dict[str, np.ndarray], output) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("store", help="path of the cache store")
+    parser.add_argument("store", help="path of the cache store (a folder, s3://BUCKET/PREFIX or msc://PROFILE/PATH)")
     parser.add_argument("--samples", type=int, default=256, help="samples to compute the statistics over")
     parser.add_argument("--plot", default=None, help="write top-K mass and entropy histograms to this PNG")
     parser.add_argument("--verify", action="store_true", help="read every written chunk and check its checksums")

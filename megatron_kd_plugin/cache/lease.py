@@ -1,0 +1,158 @@
+"""The writers' lock of a store on object storage: a lease object ``PREFIX/.writer.lock`` taken and renewed by
+conditional writes (the counterpart of ``lock.py``'s POSIX lock on a local disk, same methods).
+
+Taking it: a PUT with If-None-Match: * creates the object only where none exists; an existing lease is taken over
+(a PUT with If-Match: its ETag, so two runs cannot both take it) only when it has expired (not renewed for
+:data:`LEASE_SECONDS`, by the server's clock: its Last-Modified) or when its holder is a process of this host that no
+longer lives (a run killed with SIGKILL is resumed at once on the same machine, as with the POSIX lock). Holding it:
+a thread renews it every :data:`LEASE_SECONDS` / 4 with If-Match: the ETag of its own last write; a renewal that
+fails means another run took the lease (after this one stalled past its expiry), and :meth:`check` then refuses to
+finish the store. Releasing it: deleting the object.
+
+Only the run's global rank 0 holds the lease (the other ranks' :meth:`shared` is a no-op handle): a rank that dies
+ends the run's collectives, and rank 0 dying stops the renewals, so the lease expires.
+
+A server without conditional writes (it rejects them) cannot tell two runs apart: the writer then says so in one
+line and refuses to start while a lease object that has not expired exists, which leaves only two runs starting
+within the same moment unprotected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.lock import LOCK_NAME
+
+LEASE_SECONDS = float(os.environ.get("KD_STORE_LEASE_SECONDS", 60))
+"""How long a lease lives without renewal (the ``KD_STORE_LEASE_SECONDS`` variable; default 60 s)."""
+
+
+class WriterLease:
+    """The lease of the store at ``prefix`` (a ``storage.ObjectPrefix``)."""
+
+    def __init__(self, prefix: storage.ObjectPrefix):
+        self.prefix = prefix
+        self.holder = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        self._etag: str | None = None
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def exclusive(self) -> "WriterLease":
+        """Takes the lease and keeps it renewed; ValueError naming the holder while another run holds it."""
+        body = json.dumps(self.holder).encode()
+        try:
+            self._etag = self.prefix.put(LOCK_NAME, body, mode="create")
+        except FileExistsError:
+            self._etag = self._take_over(body)
+        except storage.ConditionsUnsupported as exc:
+            print(f"[cache] {exc}: a second run writing {self.prefix} at the same moment is not detected", flush=True)
+            self._refuse_live(self.prefix.head(LOCK_NAME))
+            self.prefix.put(LOCK_NAME, body)
+            self._etag = None
+        self._thread = threading.Thread(target=self._renew, daemon=True, name="kd-store-lease")
+        self._thread.start()
+        return self
+
+    def probe(self) -> None:
+        """ValueError while another run holds a live lease on the store (taking nothing)."""
+        head = self.prefix.head(LOCK_NAME)
+        if head is not None and not self._expired(head):
+            self._refuse_live(head)
+
+    def shared(self) -> "WriterLease":
+        """This rank's handle: the lease itself on the rank that took it, a no-op on the others."""
+        return self
+
+    def check(self) -> None:
+        """ValueError when the lease was lost (another run took it over after this one stalled past its expiry)."""
+        if self._lost:
+            raise ValueError(self._lost)
+
+    def release(self) -> None:
+        """Stops renewing and deletes the lease (only while this run still holds it)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            if not self._lost:
+                try:
+                    self.prefix.delete(LOCK_NAME)
+                except (ValueError, OSError):
+                    pass
+
+    def _take_over(self, body: bytes) -> str:
+        head = self.prefix.head(LOCK_NAME)
+        if head is None:                                 # released in between: take it fresh
+            return self.prefix.put(LOCK_NAME, body, mode="create")
+        if not self._expired(head) and not self._dead_here(head):
+            self._refuse_live(head)
+        try:
+            return self.prefix.put(LOCK_NAME, body, mode=head["e_tag"])
+        except storage.ConditionFailed:
+            self._refuse_live(self.prefix.head(LOCK_NAME))
+
+    def _holder_of(self, head) -> dict:
+        try:
+            found = json.loads(self.prefix.get(LOCK_NAME))
+            return found if isinstance(found, dict) else {}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def _expired(self, head) -> bool:
+        age = (datetime.datetime.now(datetime.timezone.utc) - head["last_modified"]).total_seconds()
+        return age > LEASE_SECONDS
+
+    def _dead_here(self, head) -> bool:
+        holder = self._holder_of(head)
+        if holder.get("host") != self.holder["host"] or not isinstance(holder.get("pid"), int):
+            return False
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _refuse_live(self, head) -> None:
+        if head is None:
+            return
+        holder = self._holder_of(head)
+        age = (datetime.datetime.now(datetime.timezone.utc) - head["last_modified"]).total_seconds()
+        raise ValueError(f"another run is writing {self.prefix}: its lease {self.prefix.name(LOCK_NAME)} (process "
+                         f"{holder.get('pid', '?')} on {holder.get('host', '?')}) was renewed {age:.0f} s ago and "
+                         f"expires {max(0.0, LEASE_SECONDS - age):.0f} s after its last renewal; wait for that run to "
+                         "end or stop it, then rerun")
+
+    def _renew(self) -> None:
+        body = json.dumps(self.holder).encode()
+        while not self._stop.wait(LEASE_SECONDS / 4):
+            try:
+                self._etag = self.prefix.put(LOCK_NAME, body, mode=self._etag)
+            except storage.ConditionFailed:
+                self._lost = (f"{self.prefix}: this run lost its writers' lease {self.prefix.name(LOCK_NAME)} (not "
+                              f"renewed for {LEASE_SECONDS:.0f} s, another run took it over); the store stays "
+                              "incomplete: rerun the cache command once that run ends")
+                return
+            except (ValueError, OSError):
+                time.sleep(1)                           # a transient failure: the next renewal retries
+
+
+def writer_lock(output, *, exclusive: bool):
+    """The writers' lock of the store at ``output``: a ``lock.WriterLock`` on a local disk, a :class:`WriterLease`
+    on object storage; taken ``exclusive`` (rank 0) or shared (the other ranks)."""
+    if isinstance(output, storage.ObjectPrefix):
+        lease = WriterLease(output)
+        return lease.exclusive() if exclusive else lease
+    from megatron_kd_plugin.cache.lock import WriterLock
+
+    lock = WriterLock(output)
+    return lock.exclusive() if exclusive else lock.shared()

@@ -1,0 +1,256 @@
+"""Issue #38: stores on object storage, against a real S3 server (SeaweedFS, the session's ``s3_server`` fixture):
+written object for object as on disk, read and verified through ``s3://`` and ``msc://``, resumed byte-identical
+after SIGKILL, one writer at a time, damage caught and repaired, one-line errors, a blend of a local and an S3
+store, and the train command healing from S3. One store, written once, serves most tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache.chunk_reader import DamagedStoreError
+from megatron_kd_plugin.cache.lease import WriterLease
+from megatron_kd_plugin.cache.lock import LOCK_NAME
+from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.storage import location
+from megatron_kd_plugin.cache.writer import write_cache
+from tests.distributed import scaled
+from tests.test_bridge_train import K, SEQ, VOCAB, tiny_overrides
+from tests.test_cache_store import same_sample
+
+SAMPLES = 12
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def teacher(seed: int = 0):
+    """A bigram table teacher over the tiny train recipe's vocabulary: [b, s] -> [s, b, V]."""
+    import torch
+
+    table = 3 * torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed))
+    return lambda tokens: table[tokens].transpose(0, 1)
+
+
+def source(seed: int = 1) -> TokenWindows:
+    stream = np.random.default_rng(seed).integers(0, VOCAB, SAMPLES * SEQ + 1)
+    return TokenWindows(stream, SEQ, num_samples=SAMPLES, fingerprint=f"objstore-{seed}", tokenizer="synthetic",
+                        tokenizer_vocab_size=VOCAB)
+
+
+def write(output, **options):
+    return write_cache(source(), teacher(), output, **(dict(k=K, vocab_size=VOCAB, teacher="bigram",
+                                                            samples_per_shard=4, progress=False) | options))
+
+
+def local_files(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.name != LOCK_NAME}
+
+
+def objects(url: str) -> dict[str, bytes]:
+    prefix = location(url)
+    return {key: prefix.get(key) for key in prefix.keys() if key != LOCK_NAME}
+
+
+def fresh_url(name: str) -> str:
+    return f"s3://kdtest/{uuid.uuid4().hex[:8]}/{name}"
+
+
+@pytest.fixture(scope="module")
+def stores(s3_server, tmp_path_factory):
+    """({"local": folder, "s3": url}) of one store written to both places by the same call."""
+    folder = tmp_path_factory.mktemp("objstore") / "bigram.zarr"
+    url = fresh_url("bigram.zarr")
+    write(folder)
+    write(url)
+    return {"local": folder, "s3": url}
+
+
+def test_an_s3_store_holds_the_local_stores_bytes_and_reads_back_through_s3_and_msc(stores, capsys):
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
+
+    assert objects(stores["s3"]) == local_files(stores["local"])
+    local = TopKCacheReader(stores["local"])
+    msc_url = "msc://local/" + stores["s3"].removeprefix("s3://")
+    for url in (stores["s3"], msc_url):
+        remote = TopKCacheReader(url)
+        for sample in (0, 5, SAMPLES - 1):
+            mine, theirs = remote[sample], local[sample]
+            assert same_sample(mine, theirs)
+    assert inspect_main([stores["s3"], "--verify", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"store {stores['s3']}" in out and "verified: every checksum and record of the 12 written samples" in out
+
+
+def _killed_writer(url: str) -> None:
+    """Writes ``url`` and SIGKILLs itself once its first shard is written (a subprocess's body)."""
+    import signal
+
+    write(url, on_shard_written=lambda n: n == 1 and os.kill(os.getpid(), signal.SIGKILL))
+
+
+def test_a_writer_killed_mid_store_leaves_it_unreadable_and_the_rerun_writes_the_same_objects(stores):
+    url = fresh_url("killed.zarr")
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from tests.test_object_store import _killed_writer; "
+            "_killed_writer(sys.argv[1])")
+    killed = subprocess.run([sys.executable, "-c", code, url, str(REPO)], timeout=scaled(300),
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert location(url).exists(LOCK_NAME)                     # the killed run's lease, left behind
+    with pytest.raises(ValueError, match=r"is unfinished: samples \[4, 12\) of 12 are not written"):
+        TopKCacheReader(url)
+    stats = write(url)                                        # its holder is dead on this host: taken over at once
+    assert (stats.shards_written, stats.shards_skipped) == (2, 1)
+    assert objects(url) == objects(stores["s3"]) and not location(url).exists(LOCK_NAME)
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lease(stores):
+    url = fresh_url("leased.zarr")
+    lease = WriterLease(location(url)).exclusive()
+    try:
+        with pytest.raises(ValueError, match=rf"another run is writing {url}: its lease .* \(process {os.getpid()}"):
+            write(url)
+    finally:
+        lease.release()
+    write(url)                                                # released: the next run writes
+    assert objects(url) == objects(stores["s3"])
+
+
+def test_a_damaged_object_is_caught_on_read_named_by_verify_and_rewritten_by_repair(stores, capsys):
+    from megatron_kd_plugin.commands.inspect import main as inspect_main
+
+    url = fresh_url("damaged.zarr")
+    prefix = location(url)
+    for key, data in objects(stores["s3"]).items():            # a copy of the store, as `aws s3 sync` makes one
+        prefix.put(key, data)
+    TopKCacheReader(url)[5]
+    shard = bytearray(prefix.get("teacher_ids/c.1.0.0"))
+    shard[10] ^= 0x20                                         # a bit flipped inside sample 4's chunk
+    prefix.put("teacher_ids/c.1.0.0", bytes(shard))
+    with pytest.raises(DamagedStoreError, match=rf"{url}/teacher_ids/c.1.0.0 \(samples \[4, 8\)\), chunk .*CRC32C"):
+        TopKCacheReader(url)[4]
+    assert inspect_main([url, "--verify", "--workers", "1"]) == 2
+    assert "1 of 3 written shards" in capsys.readouterr().out
+    write(url, repair=True)
+    assert objects(url) == objects(stores["s3"])
+
+
+def test_object_store_failures_are_one_line_and_nothing_of_the_users_is_deleted(stores, s3_server, monkeypatch):
+    with pytest.raises(ValueError, match=r"^s3://no-such-bucket-kd/x: the bucket 'no-such-bucket-kd' does not exist"):
+        TopKCacheReader("s3://no-such-bucket-kd/x")
+    url = fresh_url("users.zarr")
+    location(url).put("notes.txt", b"the user's")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=rf"{url} is not a cache store written by this tool \(it holds the "
+                                             rf"object {url}/notes.txt"):
+            write(url, overwrite=overwrite)
+    assert objects(url) == {"notes.txt": b"the user's"}
+    with pytest.raises(ValueError, match=r"^s3://kdtest/nothing: not a teacher cache|is not a teacher cache"):
+        TopKCacheReader("s3://kdtest/nothing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ValueError, match=rf"^{stores['s3']}: the object store refused the credentials"):
+        TopKCacheReader(stores["s3"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=rf"^{stores['s3']}: the object store at http://127.0.0.1:9 does not answer"):
+        TopKCacheReader(stores["s3"])
+
+
+def test_a_blend_of_a_local_and_an_s3_store_reads_each_as_its_own(stores):
+    import torch
+    from megatron.bridge.data.base import DatasetBuildContext
+
+    from megatron_kd_plugin.commands.train import build_config
+
+    def train_rows(*overrides):
+        cfg = build_config("tiny_gpt_kd_cpu_fp32_config", tiny_overrides("unused", *overrides)[1:])
+        return cfg.dataset.build_datasets(DatasetBuildContext(train_samples=16, valid_samples=0, test_samples=0))[0]
+
+    blend = train_rows(f"dataset.blend='0.5 {stores['local']} 0.5 {stores['s3']}'")
+    alone = [train_rows(f"dataset.cache_path={stores[name]}") for name in ("local", "s3")]
+    for row in range(16):
+        part, part_row = blend.source_of(row)
+        mine, theirs = blend[row], alone[part][part_row]
+        assert int(mine.source) == part and torch.equal(mine.tokens, theirs.tokens)
+        assert torch.equal(mine.teacher.ids, theirs.teacher.ids)
+    assert {blend.source_of(row)[0] for row in range(16)} == {0, 1}
+
+
+def test_the_train_command_heals_a_student_from_an_s3_store(stores, tmp_path):
+    command = [sys.executable, "-m", "megatron_kd_plugin", "train", "--recipe", "tiny_gpt_kd_cpu_fp32_config",
+               *tiny_overrides(stores["s3"], "train.train_iters=2", "logger.log_interval=1")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(600))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    losses = [float(re.search(r"\| kd loss: ([0-9.]+)", line).group(1)) for line in done.stdout.splitlines()
+              if re.match(r"iteration +[12]/ +2 ", line)]
+    assert len(losses) == 2 and losses[1] < losses[0], done.stdout[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_indexed_dataset_on_s3_is_the_same_token_source_as_its_local_copy(stores, tmp_path, monkeypatch):
+    """``cache --data s3://...``: the .idx cached locally (megatron-core's index cache path), the .bin read by
+    ranges; same windows and fingerprint as the local files, so the store written from it is the same store."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    import megatron_kd_plugin.cache.object_tokens as object_tokens
+    from megatron_kd_plugin.cache.sources import open_source
+
+    monkeypatch.setattr(object_tokens, "INDEX_CACHE", tmp_path / "idx_cache")
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(3)
+    for length in rng.integers(5, 40, 30):
+        builder.add_document(rng.integers(0, VOCAB, length).astype(np.int32), [int(length)])
+    builder.finalize(prefix + ".idx")
+    url = fresh_url("data/corpus")
+    folder = location(url.rpartition("/")[0])
+    for suffix in (".idx", ".bin"):
+        folder.put(f"corpus{suffix}", pathlib.Path(prefix + suffix).read_bytes())
+    local, remote = open_source(prefix, SEQ), open_source(url, SEQ)
+    assert len(remote) == len(local) and remote.fingerprint == local.fingerprint
+    assert (remote.windows(0, len(local)) == local.windows(0, len(local))).all()
+    assert (tmp_path / "idx_cache" / url.removeprefix("s3://")).with_suffix(".idx").is_file()
+    with pytest.raises(ValueError, match=rf"indexed dataset file {url}x.idx does not exist"):
+        open_source(url + "x", SEQ)
+    store = fresh_url("from_s3_data.zarr")
+    options = dict(k=K, vocab_size=VOCAB, teacher="bigram", samples_per_shard=4, progress=False)
+    write_cache(remote, teacher(), store, **options)
+    write_cache(local, teacher(), tmp_path / "local.zarr", **options)
+    assert objects(store) == local_files(tmp_path / "local.zarr")
+
+
+def test_copy_moves_a_store_to_s3_and_back_valid_throughout_and_refuses_an_occupied_place(stores, tmp_path, capsys):
+    from megatron_kd_plugin.__main__ import main
+
+    url = fresh_url("copied.zarr")
+    assert main(["copy", str(stores["local"]), url, "--no-progress", "--verify-workers", "1"]) == 0
+    assert "every chunk of the copy verified" in capsys.readouterr().out
+    assert objects(url) == local_files(stores["local"])
+    back = tmp_path / "back.zarr"
+    assert main(["copy", url, str(back), "--no-progress", "--verify-workers", "1"]) == 0
+    assert local_files(back) == local_files(stores["local"])
+    assert main(["copy", url, str(back), "--no-progress"]) == 2
+    assert "already holds a store" in capsys.readouterr().out
+    half = fresh_url("half.zarr")                             # a copy killed before its root zarr.json
+    for key, data in list(objects(url).items())[:5]:
+        if key != "zarr.json":
+            location(half).put(key, data)
+    with pytest.raises(ValueError, match="is not a teacher cache"):
+        TopKCacheReader(half)
+    assert main(["copy", url, half, "--no-progress", "--verify-workers", "1"]) == 0
+    assert objects(half) == objects(url)
