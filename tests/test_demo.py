@@ -73,6 +73,43 @@ def test_corpus_files_are_deterministic_and_readable(tmp_path):
     assert text == heldout[0].read()
     with pytest.raises(ValueError, match="too few"):
         data.token_windows(first.heldout_prefix, 10**7)
+    # spread windows: every (N // n)-th window, each target token with the document holding it
+    all_windows = data.token_windows(first.heldout_prefix, 16)
+    spread, documents = data.spread_windows(first.heldout_prefix, 16, 5)
+    chosen = [i * len(all_windows) // 5 for i in range(5)]
+    assert torch.equal(spread, all_windows[chosen])
+    owner = np.concatenate([np.full(len(doc), d) for d, doc in enumerate(docs)])            # [stream]
+    assert documents.tolist() == [owner[i * 16 + 1:i * 16 + 17].tolist() for i in chosen]
+    assert documents.max() == len(docs) - 1 and len(data.spread_windows(first.heldout_prefix, 16, 10**6)[0]) == len(
+        all_windows)
+
+
+def test_corpus_fingerprint_names_the_text(tmp_path):
+    """The same documents give the same sha256 (and the interpreter's version); one changed byte, a document moved
+    to the other split or another stdlib folder (``--stdlib``) gives another."""
+    import platform
+
+    texts = _user_texts(60)
+    cfg = dataclasses.replace(MINI.corpus, source=str(_write_folder(tmp_path / "a", texts)))
+    splits = data.split_documents(data.corpus_documents(cfg), cfg)
+    read = {name: [d.read() for d in docs] for name, docs in splits.items()}
+    first = data.corpus_fingerprint(splits, read)
+    assert first == data.corpus_fingerprint(splits, read) and first["python"] == platform.python_version()
+    changed = dict(read, train=[read["train"][0] + " "] + read["train"][1:])
+    moved = {"train": splits["train"][1:], "heldout": splits["train"][:1] + splits["heldout"]}
+    assert len({first["sha256"], data.corpus_fingerprint(splits, changed)["sha256"],
+                data.corpus_fingerprint(moved, {n: [d.read() for d in docs] for n, docs in moved.items()})["sha256"]}) == 3
+
+    stdlib = tmp_path / "lib" / "python3.99"                     # another interpreter's stdlib: its *.py files
+    for i, text in enumerate(texts):
+        (stdlib / ("site-packages" if i == 0 else "") / f"module{i}.py").parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / ("site-packages" if i == 0 else "") / f"module{i}.py").write_text(text)
+    other = dataclasses.replace(MINI.corpus, stdlib=str(stdlib))
+    assert sorted(d.name for d in data.corpus_documents(other)) == sorted(f"module{i}.py" for i in range(1, 60))
+    with pytest.raises(data.CorpusError, match="no such folder"):
+        data.corpus_documents(dataclasses.replace(MINI.corpus, stdlib=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="two corpora"):
+        dataclasses.replace(other, source=str(tmp_path))
 
 
 _WORDS = ("the a of to and in is it that was for on are with as his they be at one have this from or had by hot "
@@ -192,7 +229,8 @@ def test_metrics_match_independent_references():
     teacher = _FixedLogits(3 * torch.randn(vocab, vocab, generator=gen))
     student = _FixedLogits(2 * torch.randn(vocab, vocab, generator=gen))
     samples = torch.randint(0, vocab, (n, s + 1), generator=gen)
-    result = evaluate({"student": student}, teacher, samples, micro_batch_size=2)
+    documents = torch.randint(0, 4, (n, s), generator=gen)
+    result = evaluate({"student": student}, teacher, samples, documents=documents, micro_batch_size=2)
 
     inputs, targets = samples[:, :-1].flatten(), samples[:, 1:].flatten()
     lq = torch.log_softmax(student.table.double()[inputs], -1)
@@ -211,6 +249,14 @@ def test_metrics_match_independent_references():
     assert got["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-5)
     assert got["kl_to_teacher"] == pytest.approx(float(kl), rel=1e-5)
     assert got["ece"] == pytest.approx(float(ece), rel=1e-5, abs=1e-7)
+    per_token_nll = F.nll_loss(lq, targets, reduction="none")
+    per_token_kl = F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)
+    by_document = got["by_document"]                                         # sums over each document's tokens
+    for d in range(4):
+        mine = documents.flatten() == d
+        assert by_document["tokens"][d] == mine.sum()
+        assert by_document["nll"][d] == pytest.approx(float(per_token_nll[mine].sum()), rel=1e-5)
+        assert by_document["kl"][d] == pytest.approx(float(per_token_kl[mine].sum()), rel=1e-5, abs=1e-6)
     assert result["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert student.training and teacher.training   # evaluate restores each model's mode
 
@@ -272,6 +318,13 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     result = json.loads((folder / "metrics.json").read_text())
     metrics = result["metrics"]
     assert set(metrics) == {*MODELS, "unigram"}
+    outcome, corpus = result["outcome"], result["corpus"]        # the verdict's intervals and the corpus's fingerprint
+    low, high = outcome["kd_vs_ce_perplexity_interval"]
+    assert low <= outcome["kd_vs_ce_perplexity"] <= high and outcome["documents_resampled"] >= 1
+    assert outcome["verdict"].startswith("KD beats CE" if high < 0 and outcome["kd_minus_ce_kl_interval"][1] < 0
+                                         else "KD does NOT beat CE")
+    assert corpus["source"].startswith("stdlib:") and len(corpus["sha256"]) == 64 and corpus["python"]
+    assert corpus["sha256"][:16] in (folder / "results.md").read_text()
     assert metrics["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["teacher"]["perplexity"] < metrics["unigram"]["perplexity"]     # the teacher learnt something
     kd, ce, pruned = metrics["healed KD"], metrics["healed CE"], metrics["pruned"]

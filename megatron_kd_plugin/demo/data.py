@@ -1,8 +1,10 @@
 """The demo's corpus as Megatron indexed datasets: the Python standard library's own sources, or the user's text.
 
 By default every machine that runs the demo has its text without downloading anything: the running
-interpreter's stdlib ``*.py`` files. ``CorpusConfig.source`` (``--corpus``) replaces them with a folder of text
-files or a JSONL file; everything after the first step is the same. The steps:
+interpreter's stdlib ``*.py`` files (``CorpusConfig.stdlib``, ``--stdlib``: another interpreter's). Those differ
+between Python builds, so a figure measured on them belongs to one build: ``corpus_fingerprint`` names the text a
+run read. ``CorpusConfig.source`` (``--corpus``) replaces them with a folder of text files or a JSONL file;
+everything after the first step is the same. The steps:
 
 1. ``corpus_documents``: the documents, each with a name (a file's relative path; a JSONL record's line
    number) and its size in bytes, in a fixed order given by a hash of the name (so any prefix of the order is
@@ -18,7 +20,8 @@ files or a JSONL file; everything after the first step is the same. The steps:
    ``IndexedDatasetBuilder`` as ``<prefix>.bin`` / ``<prefix>.idx`` (a corpus refused writes nothing);
 5. ``token_windows``: the concatenated token stream cut into samples of ``seq_length + 1`` tokens that
    overlap by one token (every token is a prediction target once), the layout Megatron's GPTDataset
-   uses and the cache tool reads.
+   uses and the cache tool reads; ``spread_windows``: a number of them spread evenly over the whole stream, with
+   the document of each target token (what an evaluation resamples, ``demo.bootstrap``).
 
 Every refusal of the corpus is a ``CorpusError`` (a ``ValueError``) naming the path and what is wrong.
 """
@@ -29,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import platform
 import sysconfig
 from collections.abc import Mapping
 
@@ -56,7 +60,10 @@ class CorpusConfig:
 
     source: str | None = None
     """A folder of text files (``TEXT_SUFFIXES``, one document each) or a JSONL file (one document per line);
-    None: the running interpreter's stdlib sources."""
+    None: the stdlib sources."""
+    stdlib: str | None = None
+    """The standard-library folder whose ``*.py`` files are the corpus when ``source`` is None (another
+    interpreter's, e.g. ``~/.pyenv/versions/3.13.0/lib/python3.13``); None: the running interpreter's."""
     text_key: str = "text"
     """The field holding a JSONL record's text."""
     vocab_size: int = 4096
@@ -76,6 +83,9 @@ class CorpusConfig:
             raise ValueError(f"CorpusConfig.vocab_size must fit in int32, got {self.vocab_size}")
         if not self.text_key:
             raise ValueError("CorpusConfig.text_key must not be empty")
+        if self.source is not None and self.stdlib is not None:
+            raise ValueError(f"CorpusConfig: source={self.source!r} and stdlib={self.stdlib!r} name two corpora; "
+                             "give one")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -222,7 +232,9 @@ def jsonl_documents(path: pathlib.Path, text_key: str) -> list[Document]:
 def corpus_documents(cfg: CorpusConfig) -> list[Document]:
     """The documents of ``cfg.source`` (the stdlib when None), in hash order; a ``CorpusError`` if there are none."""
     if cfg.source is None:
-        return stdlib_documents()
+        if cfg.stdlib is not None and not pathlib.Path(cfg.stdlib).is_dir():
+            raise CorpusError(f"--stdlib {cfg.stdlib}: no such folder")
+        return stdlib_documents(pathlib.Path(cfg.stdlib) if cfg.stdlib is not None else None)
     path = pathlib.Path(cfg.source)
     if path.is_dir():
         return folder_documents(path)
@@ -256,7 +268,23 @@ def split_documents(documents: list[Document], cfg: CorpusConfig) -> dict[str, l
 
 
 def _source_name(cfg: CorpusConfig) -> str:
-    return f"--corpus {cfg.source}" if cfg.source is not None else f"the stdlib sources ({stdlib_root()})"
+    return f"--corpus {cfg.source}" if cfg.source is not None else f"the stdlib sources ({_stdlib_folder(cfg)})"
+
+
+def _stdlib_folder(cfg: CorpusConfig) -> pathlib.Path:
+    return pathlib.Path(cfg.stdlib) if cfg.stdlib is not None else stdlib_root()
+
+
+def corpus_fingerprint(splits: dict[str, list[Document]], texts: dict[str, list[str]]) -> dict:
+    """What names the text a run read: the sha256 of every split's documents (split, name and UTF-8 text of each,
+    in order), and the interpreter that ran it (whose stdlib is the default corpus)."""
+    digest = hashlib.sha256()
+    for name in SPLITS:
+        for doc, text in zip(splits[name], texts[name], strict=True):
+            for part in (name, doc.name, text):
+                encoded = part.encode("utf-8")
+                digest.update(len(encoded).to_bytes(8, "little") + encoded)
+    return {"sha256": digest.hexdigest(), "python": platform.python_version()}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -328,7 +356,8 @@ def tokenize_corpus(cfg: CorpusConfig, needs: Mapping[str, tuple[int, str]] | No
     tokenizer = train_tokenizer(texts["train"], cfg.vocab_size)
     eod_id = tokenizer.token_to_id(EOD_TOKEN)
     documents = {name: tokenize_documents(tokenizer, texts[name], eod_id, desc=f"tokenize {name}") for name in SPLITS}
-    stats: dict = {"source": cfg.source if cfg.source is not None else f"stdlib:{stdlib_root()}"}
+    stats: dict = {"source": cfg.source if cfg.source is not None else f"stdlib:{_stdlib_folder(cfg)}",
+                   **corpus_fingerprint(splits, texts)}
     for name in SPLITS:
         stats[name] = dict(documents=len(texts[name]), bytes=sum(len(t.encode("utf-8")) for t in texts[name]),
                            tokens=sum(len(ids) for ids in documents[name]))
@@ -364,3 +393,18 @@ def token_windows(prefix: str | pathlib.Path, seq_length: int, max_samples: int 
         raise ValueError(f"{prefix} holds {len(stream)} tokens: too few for one sample of {seq_length + 1}")
     idx = torch.arange(n).unsqueeze(1) * seq_length + torch.arange(seq_length + 1)  # [N, S+1]
     return torch.from_numpy(stream)[idx]
+
+
+def spread_windows(prefix: str | pathlib.Path, seq_length: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` of the ``token_windows`` samples, spread evenly over the whole stream (sample ``i * N // count``
+    of the N), so every part of the split is evaluated, and the document each target token belongs to.
+
+    Shapes: returns samples int64 [n, seq_length + 1] and documents int64 [n, seq_length] (the index, in the
+    indexed dataset, of the document holding target ``samples[:, 1:]``), n = min(count, N).
+    """
+    windows = token_windows(prefix, seq_length)                                         # [N, S+1]
+    chosen = torch.arange(min(count, len(windows))) * len(windows) // min(count, len(windows))
+    dataset = IndexedDataset(str(prefix))                # alive while its memory-mapped lengths are read
+    ends = torch.from_numpy(np.cumsum(dataset.sequence_lengths, dtype=np.int64))      # [documents]
+    targets = chosen[:, None] * seq_length + torch.arange(1, seq_length + 1)            # stream positions [n, S]
+    return windows[chosen], torch.searchsorted(ends, targets, right=True)

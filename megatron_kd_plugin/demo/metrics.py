@@ -8,7 +8,12 @@ log-probs log p_t over the same (padded) vocabulary V:
     ECE             = Σ_bins (n_bin / N) |accuracy_bin - confidence_bin|,  confidence = max_v q_t[v],
                       accuracy = [argmax_v q_t[v] == y_t], ``ECE_BINS`` equal-width bins on [0, 1]
 
-Shapes: tokens [N, S+1] (samples as ``data.token_windows`` cuts them), logits [b, s, V].
+With ``documents`` (the held-out document d_t of each target token, ``data.spread_windows``), each model's
+metrics also hold its sums per document, what ``demo.bootstrap`` resamples:
+
+    by_document = {"nll": [Σ_{t: d_t = d} -log q_t[y_t]]_d, "kl": [Σ_{t: d_t = d} KL_t]_d, "tokens": [#{t: d_t = d}]_d}
+
+Shapes: tokens [N, S+1] (samples as ``data.token_windows`` cuts them), documents [N, S], logits [b, s, V].
 """
 
 from __future__ import annotations
@@ -33,12 +38,19 @@ class _Sums:
     bin_count: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
     bin_conf: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
     bin_correct: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(ECE_BINS, dtype=torch.float64))
+    by_document: torch.Tensor | None = None
+    """[3, D] float64 sums of nll, KL and tokens per document, when the evaluation has documents."""
 
-    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, teacher_logprobs: torch.Tensor) -> None:
-        """logprobs, teacher_logprobs [T, V] float32; targets [T]."""
-        self.nll -= logprobs.gather(1, targets[:, None]).double().sum().item()
-        self.kl += torch.sum(teacher_logprobs.exp() * (teacher_logprobs - logprobs), dtype=torch.float64).item()
+    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, teacher_logprobs: torch.Tensor,
+            documents: torch.Tensor | None) -> None:
+        """logprobs, teacher_logprobs [T, V] float32; targets [T]; documents [T] or None."""
+        nll = -logprobs.gather(1, targets[:, None]).double().squeeze(1)                # [T]
+        kl = torch.sum(teacher_logprobs.exp() * (teacher_logprobs - logprobs), dim=1, dtype=torch.float64)  # [T]
+        self.nll += nll.sum().item()
+        self.kl += kl.sum().item()
         self.tokens += targets.numel()
+        if documents is not None:
+            self.by_document.index_add_(1, documents, torch.stack([nll, kl, torch.ones_like(nll)]))
         conf, pred = logprobs.max(dim=1)                                            # [T]
         conf = conf.exp().double()
         bins = torch.clamp((conf * ECE_BINS).long(), max=ECE_BINS - 1)
@@ -48,8 +60,11 @@ class _Sums:
 
     def result(self) -> dict[str, float]:
         ece = torch.sum(torch.abs(self.bin_correct - self.bin_conf)).item() / self.tokens
-        return dict(perplexity=float(torch.tensor(self.nll / self.tokens).exp()), kl_to_teacher=self.kl / self.tokens,
-                    ece=ece, tokens=self.tokens)
+        result = dict(perplexity=float(torch.tensor(self.nll / self.tokens).exp()), kl_to_teacher=self.kl / self.tokens,
+                      ece=ece, tokens=self.tokens)
+        if self.by_document is not None:
+            result["by_document"] = dict(zip(("nll", "kl", "tokens"), self.by_document.tolist()))
+        return result
 
 
 def gpt_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -77,26 +92,35 @@ def unigram_perplexity(train_tokens: torch.Tensor, targets: torch.Tensor, vocab_
 
 @torch.no_grad()
 def evaluate(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, samples: torch.Tensor, *,
-             micro_batch_size: int = 8, desc: str = "evaluate", logits_fn=gpt_logits) -> dict[str, dict[str, float]]:
-    """Perplexity, KL(teacher‖model) and ECE of each model (and of the teacher, under "teacher").
+             documents: torch.Tensor | None = None, micro_batch_size: int = 8, desc: str = "evaluate",
+             logits_fn=gpt_logits) -> dict[str, dict]:
+    """Perplexity, KL(teacher‖model) and ECE of each model (and of the teacher, under "teacher"), and with
+    ``documents`` their sums per document (``by_document``).
 
     All models run in eval mode, through ``logits_fn(model, inputs) -> [b, s, V]`` (``gpt_logits``: TP=1
-    GPTModels; ``hf_logits``: transformers models); ``samples`` [N, S+1] int64. Returns {name: metrics}.
+    GPTModels; ``hf_logits``: transformers models); ``samples`` [N, S+1] int64, ``documents`` [N, S] int64.
+    Returns {name: metrics}.
     """
     if samples.ndim != 2 or samples.shape[1] < 2:
         raise ValueError(f"samples must be [N, S+1] with S >= 1, got shape {tuple(samples.shape)}")
+    if documents is not None and documents.shape != (samples.shape[0], samples.shape[1] - 1):
+        raise ValueError(f"documents must be [N, S] = {(samples.shape[0], samples.shape[1] - 1)}, got shape "
+                         f"{tuple(documents.shape)}")
     everyone = {"teacher": teacher, **models}
     was_training = {name: m.training for name, m in everyone.items()}
     for m in everyone.values():
         m.eval()
-    sums = {name: _Sums() for name in everyone}
+    count = None if documents is None else int(documents.max()) + 1
+    sums = {name: _Sums(by_document=None if count is None else torch.zeros(3, count, dtype=torch.float64))
+            for name in everyone}
     for start in tqdm(range(0, len(samples), micro_batch_size), desc=desc, unit="batch"):
         batch = samples[start:start + micro_batch_size]
         inputs, targets = batch[:, :-1], batch[:, 1:].reshape(-1)
+        batch_documents = None if documents is None else documents[start:start + micro_batch_size].reshape(-1)
         teacher_lp = full_logprobs(teacher, inputs, logits_fn)
         for name, model in everyone.items():
             sums[name].add(teacher_lp if model is teacher else full_logprobs(model, inputs, logits_fn), targets,
-                           teacher_lp)
+                           teacher_lp, batch_documents)
     for name, m in everyone.items():
         m.train(was_training[name])
     return {name: s.result() for name, s in sums.items()}
