@@ -12,8 +12,8 @@ from megatron.bridge.data.base import DatasetBuildContext
 from megatron.bridge.data.samplers import build_pretraining_data_loader
 
 from megatron_kd_plugin.bridge.config import check_kd_config
-from megatron_kd_plugin.cache.ensemble_rows import mixture_teacher
-from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.rows.ensemble_rows import mixture_teacher
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.writer import write_cache
 from megatron_kd_plugin.commands.train import build_config
 from tests.test_bridge_data import VOCAB, SEQ, bigram_teacher

@@ -11,7 +11,7 @@ from megatron.bridge.data.samplers import build_pretraining_data_loader
 
 from megatron_kd_plugin.bridge.config import check_kd_config
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.sources import TokenWindows
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.writer import write_cache
 from megatron_kd_plugin.commands.train import build_config
 

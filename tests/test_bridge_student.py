@@ -39,7 +39,7 @@ def write_hf_teacher_cache(teacher, store) -> None:
     """The top-K cache of the HF teacher's logits (transformers' forward), two DP writers."""
     import torch.distributed as dist
 
-    from megatron_kd_plugin.cache.sources import TokenWindows
+    from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
     from tests.hf_models import hf_logits
 

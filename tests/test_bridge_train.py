@@ -32,7 +32,7 @@ def tiny_overrides(store, *extra: str) -> list[str]:
 def write_teacher_cache(store, **options) -> None:
     """A 2-layer random teacher (megatron-core GPTModel, TP=1) cached with the cache tool's ``write_cache``
     (``options``: e.g. the sampled mode's)."""
-    from megatron_kd_plugin.cache.sources import TokenWindows
+    from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
     from megatron_kd_plugin.cpu_compat import seed_model_parallel
     from megatron_kd_plugin.commands.train import build_config

@@ -4,7 +4,7 @@ log_softmax, the importance weights are unbiased for p, and TP=2/4 draw exactly 
 import pytest
 import torch
 
-from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, shard_offsets, vocab_parallel_draws
+from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, draw_weights, shard_offsets, vocab_parallel_draws
 from tests.distributed import run_on_ranks
 
 S, B, V = 5, 2, 24

@@ -9,9 +9,9 @@ import torch
 import zarr
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.logprob_grid import PAD_CODE, TAIL_SLACK, LogprobGrid, grid_points
-from megatron_kd_plugin.cache.topk import vocab_parallel_topk
+from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_topk
 
 from tests.test_cache_store import K, N, table_teacher, windows, write
 
@@ -163,7 +163,7 @@ def test_a_store_of_the_codec_before_the_grid_is_still_read(tmp_path):
 
 def test_a_cross_tokenizer_store_under_the_grid_keeps_its_realised_logprobs_in_fp16_bitround7(tmp_path):
     """One value per token has no row to quantise against: ``teacher_realised_logprob`` stays fp16-bitround7."""
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+    from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
     table, logits_fn = table_teacher()
     source = windows()

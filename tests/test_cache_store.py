@@ -13,9 +13,9 @@ import torch
 import zarr
 
 from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader, row_kind
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.records import shard_records
-from megatron_kd_plugin.cache.sources import TokenWindows, jsonl_windows
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store.records import shard_records
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows, jsonl_windows
 from megatron_kd_plugin.cache.writer import write_cache
 
 V, S, K, N = 50, 12, 6, 11
@@ -510,7 +510,7 @@ def test_cli_teacher_loader_hook_and_its_vocab_requirement(tmp_path):
 
 @pytest.mark.parametrize("t", [1.0, 1.5])
 def test_sampled_store_holds_the_draws_and_the_reader_their_weights(tmp_path, t):
-    from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
+    from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 
     table, logits_fn = table_teacher()
     source, n = windows(), 9
@@ -689,7 +689,7 @@ def test_edited_attributes_fail_their_checksum_and_recomputing_it_fails_every_re
 
 
 def test_ids_outside_the_vocabulary_raise_even_with_every_checksum_and_record_recomputed(tmp_path):
-    from megatron_kd_plugin.cache.records import shard_records
+    from megatron_kd_plugin.cache.store.records import shard_records
 
     write(tmp_path / "c")
     ids = zarr.open_group(tmp_path / "c", mode="r")[fmt.IDS][:]
@@ -835,7 +835,7 @@ def test_an_existing_empty_folder_is_written_into_not_replaced(tmp_path, monkeyp
 
 
 def test_bad_tokenizer_and_jsonl_encodings_name_the_file_and_line(tmp_path):
-    from megatron_kd_plugin.cache.sources import load_tokenizer
+    from megatron_kd_plugin.cache.sources.token_windows import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {')
     with pytest.raises(ValueError, match=f"tokenizer {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.models.gpt import GPTSpec
 from tests.distributed import run_on_ranks, scaled
 
@@ -46,7 +46,7 @@ def _make_teacher_and_reference(folder, prefix, num_samples):
     for length in rng.integers(5, 40, 60):
         builder.add_document(rng.integers(0, SPEC.vocab_size, length).astype(np.int32), [int(length)])
     builder.finalize(prefix + ".idx")
-    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+    from megatron_kd_plugin.cache.sources.token_windows import indexed_dataset_windows
 
     source = indexed_dataset_windows(prefix, S, num_samples=num_samples)
     tokens = torch.from_numpy(source.windows(0, num_samples))
@@ -232,7 +232,7 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
 
 
 def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
-    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+    from megatron_kd_plugin.cache.sources.token_windows import indexed_dataset_windows
 
     work = teacher_and_data[0]
     shutil.copy(work / "data.idx", tmp_path / "d.idx")
@@ -244,7 +244,7 @@ def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):
 
 def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_the_mode(teacher_and_data, capsys):
     from megatron_kd_plugin.commands.inspect import main as inspect_main
-    from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
+    from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 
     work, tokens, logprobs = teacher_and_data
     output, n, t = work / "sampled_tp2.zarr", 16, 1.5
@@ -277,7 +277,7 @@ def test_torchrun_tp2_sampled_store_matches_float64_tp1_draws_and_inspect_shows_
 def test_head_and_draws_store_holds_the_exact_head_then_draws_of_the_rest(teacher_and_data, capsys):
     """``--head 3 --draws 12`` (one process): each row's first 3 slots are the float64 reference's top-3, the 12 draws
     lie outside them with their full-vocab log-probs, the rows read as a SampledTeacher whose weights sum to 1."""
-    from megatron_kd_plugin.cache.row_kinds import row_kind
+    from megatron_kd_plugin.cache.rows.row_kinds import row_kind
     from megatron_kd_plugin.commands.inspect import main as inspect_main
     from megatron_kd_plugin.loss import SampledTeacher
 
@@ -338,7 +338,7 @@ def _cut(path, size):
 def test_damaged_indexed_datasets_are_one_line_naming_the_file(teacher_and_data, tmp_path, capfd, damage, message):
     import gc
 
-    from megatron_kd_plugin.cache.sources import indexed_dataset_windows
+    from megatron_kd_plugin.cache.sources.token_windows import indexed_dataset_windows
 
     work = teacher_and_data[0]
     for suffix in (".idx", ".bin"):

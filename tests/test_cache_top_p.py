@@ -13,7 +13,7 @@ import torch
 import zarr
 
 from megatron_kd_plugin.cache import CacheSpec, TopKCacheReader
-from megatron_kd_plugin.cache import format as fmt
+from megatron_kd_plugin.cache.store import format as fmt
 from tests.distributed import run_on_ranks
 from tests.test_cache_store import K, N, S, V, _delete, _flip, _tree, table_teacher, windows, write
 from tests.test_loss_helpers import make_ragged_case, rel_err, run_loss

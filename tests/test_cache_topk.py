@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_kd_plugin.cache.topk import topk_by_value_then_id, vocab_parallel_topk
+from megatron_kd_plugin.cache.kinds.topk import topk_by_value_then_id, vocab_parallel_topk
 from tests.distributed import run_on_ranks
 
 S, B, V = 7, 3, 48

@@ -18,12 +18,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.align import (TeacherTopK, align_sample, alignment_row, byte_ends, student_ends,
-                                            valid_text)
-from megatron_kd_plugin.cache.first_tokens import FirstTokens
-from megatron_kd_plugin.cache.token_slots import token_slots
-from megatron_kd_plugin.cache.sources import TokenWindows
-from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
+from megatron_kd_plugin.cache.cross_tokenizer.align import (TeacherTopK, align_sample, alignment_row, byte_ends,
+                                                            student_ends, valid_text)
+from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
+from megatron_kd_plugin.cache.cross_tokenizer.token_slots import token_slots
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
+from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes, check_lossless
 from megatron_kd_plugin.cache.writer import write_cache
 from megatron_kd_plugin.loss import CrossTokenizerTeacher, cross_tokenizer_loss, tensor_map
 from megatron_kd_plugin.loss.cross_tokenizer_loss import token_teacher
@@ -97,8 +97,8 @@ def unigram_eos_student():
 
 def cross_tokenizer_row(tokens, realised_logprobs, teacher, student, seq_length, *, topk=None, mid_candidates=None):
     """The student row of one cached sample: teacher ``tokens`` [S + 1], ``realised_logprobs`` [S]; ``topk``: the
-    cached (ids, logprobs) [S, K] for the token-level term (both steps of ``cache.align``); from source 0, as
-    ``KDRows`` marks it (a DataLoader's collate takes no None)."""
+    cached (ids, logprobs) [S, K] for the token-level term (both steps of ``cache.cross_tokenizer.align``); from source
+    0, as ``KDRows`` marks it (a DataLoader's collate takes no None)."""
     return _row(tokens, realised_logprobs, teacher, student, seq_length, topk, mid_candidates)._replace(
         source=torch.tensor(0))
 
@@ -176,7 +176,8 @@ def mid_text_encoder(student: TokenBytes) -> Tokenizer:
 
 
 def reference_first_token(u: bytes, student: TokenBytes, encoder: Tokenizer):
-    """The student's first token of the byte string ``u`` (``cache.first_tokens``' rule, written out), None if none."""
+    """The student's first token of the byte string ``u`` (``cache.cross_tokenizer.first_tokens``' rule, written out),
+    None if none."""
     if not u:
         return None
     for end in range(len(u), 0, -1):
@@ -579,7 +580,7 @@ def test_alignments_are_kept_batch_prepared_and_reloaded_from_a_sidecar(tmp_path
     """A row read again, a row after ``prepare`` (batch encode) and a row after loading the sidecar equal the
     reference row; the sidecar is refused for another student tokenizer or another store, a damaged one raises."""
     from megatron_kd_plugin.cache import KDRows, row_kind
-    from megatron_kd_plugin.cache.student_alignments import StudentAlignments, sidecar_path
+    from megatron_kd_plugin.cache.cross_tokenizer.student_alignments import StudentAlignments, sidecar_path
 
     teacher, student = tokenizers_pair
     n, seq = 8, 16
@@ -643,7 +644,8 @@ def _load_or_write_body(store, student_file, marks, processes):
     import os
     import time
 
-    from megatron_kd_plugin.cache.student_alignments import StudentAlignments, load_or_write, sidecar_path
+    from megatron_kd_plugin.cache.cross_tokenizer.student_alignments import (StudentAlignments, load_or_write,
+                                                                             sidecar_path)
     from tests.distributed import scaled
 
     reader, student = TopKCacheReader(store), TokenBytes.load(student_file)
@@ -674,7 +676,7 @@ def test_load_or_write_computes_the_sidecar_once_for_concurrent_processes(tmp_pa
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    from megatron_kd_plugin.cache.student_alignments import StudentAlignments
+    from megatron_kd_plugin.cache.cross_tokenizer.student_alignments import StudentAlignments
     from tests.distributed import scaled
 
     teacher, student = tokenizers_pair
@@ -883,7 +885,7 @@ def real_rows_reference(hidden, weight, batch, targets):
 def _tp_body(case_list, real):
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.cache.topk import combine_logsumexp, vocab_parallel_label_logprobs
+    from megatron_kd_plugin.cache.kinds.topk import combine_logsumexp, vocab_parallel_label_logprobs
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = parallel_state.get_tensor_model_parallel_rank()

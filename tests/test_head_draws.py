@@ -5,9 +5,9 @@ own values), and TP=2 writes the TP=1 rows."""
 import pytest
 import torch
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.draws import draw_uniforms
-from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
+from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights, vocab_parallel_head_draws
 from megatron_kd_plugin.loss import SampledTeacher, topk_kd_loss
 from tests.distributed import run_on_ranks
 

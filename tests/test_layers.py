@@ -98,7 +98,7 @@ def violations(sources: dict[str, str], packages: set[str], cache_exports: set[s
 def test_every_import_goes_down_the_layers():
     sources = package_sources()
     assert {"megatron_kd_plugin.recipes.tiny", "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.models.hf",
-            "megatron_kd_plugin.bridge.provider", "megatron_kd_plugin.cache.slot_rows"} <= set(sources)
+            "megatron_kd_plugin.bridge.provider", "megatron_kd_plugin.cache.rows.slot_rows"} <= set(sources)
     packages = {m for m in sources if m in FOLDERS or (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
     cache = importlib.import_module(STORE_INTERFACE)
     assert violations(sources, packages, set(cache.__all__)) == []
@@ -110,7 +110,7 @@ def test_every_import_goes_down_the_layers():
 def test_the_check_finds_imports_against_the_layers():
     planted = {
         "megatron_kd_plugin.cache.writer": "from megatron_kd_plugin.bridge import dataset\n",
-        "megatron_kd_plugin.bridge.dataset": "from megatron_kd_plugin.cache.format import TOKENS\n"
+        "megatron_kd_plugin.bridge.dataset": "from megatron_kd_plugin.cache.store.format import TOKENS\n"
                                              "from megatron_kd_plugin.cache import TOKENS, format\n",
         "megatron_kd_plugin.loss.fused": "def f():\n    import megatron_kd_plugin.models.hf\n",
         "megatron_kd_plugin.models.student": "from ..commands import train\n",

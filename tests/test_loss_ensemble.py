@@ -1,4 +1,4 @@
-"""Issue #30 at the loss: the ensemble of teachers (``cache.ensemble_rows.mixture_teacher``) against its float64
+"""Issue #30 at the loss: the ensemble of teachers (``cache.rows.ensemble_rows.mixture_teacher``) against its float64
 definition on the full vocabulary, and the per-source report groups against the loss of each group's tokens alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_kd_plugin.cache.ensemble_rows import mixture_teacher
+from megatron_kd_plugin.cache.rows.ensemble_rows import mixture_teacher
 from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 from tests.test_loss_helpers import make_case, one_thread, rel_err  # noqa: F401 (fixture)
 

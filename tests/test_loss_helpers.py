@@ -68,10 +68,10 @@ def make_sampled_case(*, draws=9, proposal_temperature=1.5, teacher_vocab=None, 
 
 
 def make_head_draws_case(*, head=3, draws=6, seed=0, **shape):
-    """``make_case``'s student, mask and labels with a head + draws teacher (``cache.head_draws``): per token the
+    """``make_case``'s student, mask and labels with a head + draws teacher (``cache.kinds.head_draws``): per token the
     exact top-``head`` of a full teacher, then ``draws`` ids drawn from the rest, weighed p and (1 - m) / N."""
-    from megatron_kd_plugin.cache.draws import draw_uniforms
-    from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+    from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
+    from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights, vocab_parallel_head_draws
 
     case = make_case(seed=seed, **shape)
     s, b = case["loss_mask"].shape

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache.chunk_reader import DamagedStoreError
-from megatron_kd_plugin.cache.lease import WriterLease
-from megatron_kd_plugin.cache.lock import LOCK_NAME
-from megatron_kd_plugin.cache.sources import TokenWindows
-from megatron_kd_plugin.cache.storage import location
+from megatron_kd_plugin.cache.store.chunk_reader import DamagedStoreError
+from megatron_kd_plugin.cache.store.lease import WriterLease
+from megatron_kd_plugin.cache.store.lock import LOCK_NAME
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
+from megatron_kd_plugin.cache.store.storage import location
 from megatron_kd_plugin.cache.writer import write_cache
 from tests.distributed import scaled
 from tests.test_bridge_train import K, SEQ, VOCAB, tiny_overrides
@@ -207,8 +207,8 @@ def test_an_indexed_dataset_on_s3_is_the_same_token_source_as_its_local_copy(sto
     ranges; same windows and fingerprint as the local files, so the store written from it is the same store."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    import megatron_kd_plugin.cache.object_tokens as object_tokens
-    from megatron_kd_plugin.cache.sources import open_source
+    import megatron_kd_plugin.cache.sources.object_tokens as object_tokens
+    from megatron_kd_plugin.cache.sources.token_windows import open_source
 
     monkeypatch.setattr(object_tokens, "INDEX_CACHE", tmp_path / "idx_cache")
     prefix = str(tmp_path / "corpus")

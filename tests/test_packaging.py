@@ -108,7 +108,7 @@ def test_the_package_outside_bridge_imports_without_megatron_bridge():
     import sys
 
     modules = ["megatron_kd_plugin", "megatron_kd_plugin.loss", "megatron_kd_plugin.kernels",
-               "megatron_kd_plugin.cache", "megatron_kd_plugin.cache.writer", "megatron_kd_plugin.cache.row_kinds",
+               "megatron_kd_plugin.cache", "megatron_kd_plugin.cache.writer", "megatron_kd_plugin.cache.rows.row_kinds",
                "megatron_kd_plugin.commands.cache", "megatron_kd_plugin.commands.inspect",
                "megatron_kd_plugin.models.gpt", "megatron_kd_plugin.cpu_compat"]
     code = ("import sys; sys.modules['megatron.bridge'] = None\n"

@@ -12,9 +12,9 @@ import pytest
 import zarr
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import ENTRY_BYTES, BoundedCache
-from megatron_kd_plugin.cache.records import SampleReader, verify_shards
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store.chunk_reader import ENTRY_BYTES, BoundedCache
+from megatron_kd_plugin.cache.store.records import SampleReader, verify_shards
 from megatron_kd_plugin.cache.writer import prepare_shards
 from tests.test_cache_store import N, S, V, _flip, _tree, write
 
@@ -129,7 +129,7 @@ def test_unsupported_urls_are_refused_in_one_line_and_nothing_is_written(tmp_pat
     """Issue 38's first step: ``--output s3://bucket/store`` used to write a local folder named ``s3:`` and report
     success, and a reader given the URL read that folder back; a scheme the store cannot handle (s3:// and msc://
     it can: tests/test_object_store.py) is refused in one line by the writer, the reader, inspect and the command."""
-    from megatron_kd_plugin.cache.sources import open_source
+    from megatron_kd_plugin.cache.sources.token_windows import open_source
     from megatron_kd_plugin.commands.cache import main as cache_main
     from megatron_kd_plugin.commands.inspect import main as inspect_main
 

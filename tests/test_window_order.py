@@ -1,5 +1,5 @@
-"""The epoch order of the training rows (``cache.window_order.WindowOrder``, used by ``cache.KDRows``): a bijection of
-[0, n) for every n and key, a pure function of (n, seed, epoch, position), another order per epoch and seed, orders
+"""The epoch order of the training rows (``cache.rows.window_order.WindowOrder``, used by ``cache.KDRows``): a bijection
+of [0, n) for every n and key, a pure function of (n, seed, epoch, position), another order per epoch and seed, orders
 that look like uniformly random permutations (statistics that the identity, rotations, affine maps and weak mixers
 fail), and no memory of size n in the dataset.
 
@@ -22,8 +22,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from megatron_kd_plugin.cache.rows import KDRows, RowKind
-from megatron_kd_plugin.cache.window_order import WindowOrder
+from megatron_kd_plugin.cache.rows.kd_rows import KDRows, RowKind
+from megatron_kd_plugin.cache.rows.window_order import WindowOrder
 
 SIZES = [*range(1, 70), *(2**k for k in range(7, 17)), *(2**k + 1 for k in range(7, 17)), 99_991]   # 99,991: prime
 KEYS = [(0, 0), (0, 7), (1, 0), (2**40 + 3, 2)]                                                        # (seed, epoch)

@@ -72,11 +72,11 @@ from zarr.codecs import BloscCodec
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from megatron_kd_plugin.cache import TopKCacheReader  # noqa: E402
-from megatron_kd_plugin.cache import format as fmt  # noqa: E402
+from megatron_kd_plugin.cache.store import format as fmt  # noqa: E402
 from megatron_kd_plugin.cache.kinds.top_k_store import topk_statistics  # noqa: E402
 from megatron_kd_plugin.commands.inspect import stored_bytes  # noqa: E402
-from megatron_kd_plugin.cache.sources import TokenWindows, indexed_dataset_windows  # noqa: E402
-from megatron_kd_plugin.cache.topk import vocab_parallel_topk  # noqa: E402
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows, indexed_dataset_windows  # noqa: E402
+from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_topk  # noqa: E402
 from megatron_kd_plugin.cache.writer import write_cache  # noqa: E402
 
 
@@ -454,8 +454,8 @@ def cross_tokenizer_runs(args) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from megatron_kd_plugin.cache import KDRows, row_kind
-    from megatron_kd_plugin.cache.student_alignments import StudentAlignments
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+    from megatron_kd_plugin.cache.cross_tokenizer.student_alignments import StudentAlignments
+    from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
     vocab = args.vocab[0]
     texts = stdlib_texts(6 * args.samples * args.seq_length)
@@ -543,7 +543,7 @@ def cross_tokenizer_runs(args) -> None:
             sidecar_sizes.append(f"| {name} | {sum(parts.values()) / tokens:.1f} | "
                                  + " | ".join(f"{size / tokens:.2f}" for size in parts.values())
                                  + f" | {files['vocab_map']:,} |")
-        from megatron_kd_plugin.cache.first_tokens import FirstTokens
+        from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
 
         for name, student in students.items():
             cpu = time.process_time()

@@ -172,7 +172,7 @@ def store_candidate(rows: Rows, k: int, codec: str, work: pathlib.Path, top_p: f
     import zarr
 
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
     from megatron_kd_plugin.commands.inspect import stored_bytes
     from megatron_kd_plugin.cache.writer import store_shard
 
@@ -223,7 +223,7 @@ def plain_arrays(arrays: dict[str, tuple[np.ndarray, dict]], path: pathlib.Path,
 
 def grid_codes(codec_name: str, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(float16 maxima [N, S], uint8 codes [N, S, K], decoded float64 [N, S, K]) of the grid codec ``codec_name``."""
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
     from megatron_kd_plugin.cache.logprob_grid import LogprobGrid
 
     step, growth, max_step, span = fmt.LOGPROB_CODECS[codec_name].grid
@@ -240,7 +240,7 @@ def plain_candidates(rows: Rows, k: int, work: pathlib.Path) -> list[tuple[str, 
     """The layouts and numcodecs filters the store does not use, as plain zarr arrays."""
     from zarr.codecs import numcodecs as nc
 
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
 
     blosc = fmt._blosc
     ids, exact = rows.top(k)
@@ -307,7 +307,7 @@ def codec_rates(rows: Rows, k: int, repeats: int = 3) -> tuple[float, float]:
     (chunk) per call, best of ``repeats`` passes."""
     import time
 
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
     from megatron_kd_plugin.cache.logprob_grid import LogprobGrid
 
     codec = LogprobGrid(k, *fmt.LOGPROB_CODECS[fmt.DEFAULT_LOGPROB_CODEC].grid)
@@ -351,7 +351,7 @@ STUDY_CODECS = {   # (LogprobCodec fields) registered for the study only: the st
 
 def register_study_codecs() -> dict[str, str]:
     """{table name: LOGPROB_CODECS key}, the study's codecs added to ``format.LOGPROB_CODECS`` for this process."""
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
 
     names = {}
     for label, (existing, fields) in STUDY_CODECS.items():
@@ -368,7 +368,7 @@ def study(args) -> None:
     import shutil
     import tempfile
 
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
 
     codecs = register_study_codecs()
     teachers = [Rows.load(args.teachers / f"{name}.npz") for name in args.names]

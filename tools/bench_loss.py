@@ -18,7 +18,7 @@ fp32 bucket log-prob, flags; recompute keeps its fp32 support coefficients inste
 Ends with the analytic memory model at gpt-oss shapes.
 
 ``--ensemble`` measures instead, in this one process and in alternating rounds (best of each), the fused loss
-(recompute, forward + backward) on an ensemble of two teachers of K ids each (``cache.ensemble_rows``: the two rows
+(recompute, forward + backward) on an ensemble of two teachers of K ids each (``cache.rows.ensemble_rows``: the two rows
 side by side, 2K slots, the ids they share merged by the loss) against one teacher of 2K distinct ids (the doubled K)
 and one of K, in CPU seconds of this process (and wall): an ensemble must cost no more than the doubled K it carries.
 """
@@ -200,7 +200,7 @@ def ensemble_cost(args) -> None:
     the likely tokens)."""
     import torch
 
-    from megatron_kd_plugin.cache.ensemble_rows import mixture_teacher
+    from megatron_kd_plugin.cache.rows.ensemble_rows import mixture_teacher
     from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
 
     if args.threads:

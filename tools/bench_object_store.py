@@ -150,7 +150,7 @@ def bench_store(folder: pathlib.Path, args) -> None:
     import torch
 
     from megatron_kd_plugin.cache import KDRows, TopKCacheReader, row_kind
-    from megatron_kd_plugin.cache.sources import TokenWindows
+    from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
 
     vocab, seq, k = 4096, 512, 100

@@ -160,7 +160,7 @@ def truncated_topk_bytes(store: pathlib.Path, k: int, scratch: pathlib.Path) -> 
     import numpy as np
 
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
     from megatron_kd_plugin.cache.writer import store_shard
 
     reader = TopKCacheReader(store)
@@ -383,7 +383,7 @@ def kept_statistics(store: pathlib.Path) -> dict[str, float]:
     import numpy as np
 
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
 
     reader = TopKCacheReader(store)
     logprobs = reader.group[fmt.LOGPROBS][:].astype(np.float64)                         # [N, S, K]
@@ -396,7 +396,7 @@ def teacher_topk_mass(store: pathlib.Path) -> dict[int, float]:
     import numpy as np
 
     from megatron_kd_plugin.cache import TopKCacheReader
-    from megatron_kd_plugin.cache import format as fmt
+    from megatron_kd_plugin.cache.store import format as fmt
 
     probs = np.exp(TopKCacheReader(store).group[fmt.LOGPROBS][:].astype(np.float64))      # [N, S, K]
     probs = -np.sort(-probs, axis=-1)

@@ -46,8 +46,8 @@ import numpy as np
 import torch
 import zarr
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.sources import SourceSummary, TokenWindows
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.sources.token_windows import SourceSummary, TokenWindows
 from megatron_kd_plugin.cache.writer import prepare_shards, store_shard, write_cache
 
 S, K, V = 4096, 100, 151_936
@@ -262,8 +262,8 @@ def _rss_mib() -> float:
 
 
 def reader(work: pathlib.Path, num_shards: int) -> None:
-    from megatron_kd_plugin.cache.reader import TopKCacheReader
-    from megatron_kd_plugin.cache.records import shard_records
+    from megatron_kd_plugin.cache.store.reader import TopKCacheReader
+    from megatron_kd_plugin.cache.store.records import shard_records
 
     seq, k = 64, 8
     spec = fmt.CacheSpec(k=k, vocab_size=V, seq_length=seq, num_samples=num_shards, samples_per_shard=1,
@@ -298,7 +298,7 @@ def reader(work: pathlib.Path, num_shards: int) -> None:
 
 
 def shuffle(tokens: float, seq_length: int) -> None:
-    from megatron_kd_plugin.cache.rows import KDRow, KDRows, RowKind
+    from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind
 
     class Skeleton(RowKind):                             # rows of a store that is not there: one window a sample
         @classmethod

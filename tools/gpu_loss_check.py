@@ -69,8 +69,8 @@ def _inputs(args, dtype, device):
 def _head_draws_teacher(args, device, head: int, draws: int) -> SampledTeacher:
     """The head + draws rows ``[T, 1, head + draws]`` of a full teacher (its logits ``[T, 1, V]`` made on the
     device), with their weights, as the cache writes and the reader reads them."""
-    from megatron_kd_plugin.cache.draws import draw_uniforms
-    from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+    from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
+    from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights, vocab_parallel_head_draws
 
     gen = torch.Generator(device=device).manual_seed(1)
     logits = torch.randn(args.tokens, 1, args.vocab, generator=gen, device=device) * 2

@@ -58,7 +58,7 @@ def gpt(config, vocab: int, seq: int):
 
 
 def write_teacher_cache(store: str, sizes, device) -> None:
-    from megatron_kd_plugin.cache.sources import TokenWindows
+    from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
     from megatron_kd_plugin.cache.writer import write_cache
 
     layers, hidden, _, _, vocab, seq, samples, k, _ = sizes

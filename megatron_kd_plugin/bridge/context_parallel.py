@@ -5,7 +5,7 @@ chunks r and 2·cp−1−r (megatron-core's load-balanced split for causal atten
 ``megatron.core.utils.get_batch_on_this_cp_rank``). A KD row's tensors (``cache.KDRow``) are all batch-first with
 the sequence in dim 1 — tokens, labels, loss_mask, position_ids [b, S]; the teacher's [b, S, K] — so one call slices
 them alike, and the loss then runs on this rank's S/cp tokens only. (Cross-tokenizer rows, whose segments would be
-split, are refused with CP before step one: ``cache.cross_tokenizer_rows``.)
+split, are refused with CP before step one: ``cache.rows.cross_tokenizer_rows``.)
 
 No collective over CP is needed in the loss: the lm_head weight is replicated over CP, so each rank's dW is
 partial and DDP's gradient reduction over DP×CP sums it; the local ``(loss_sum, num_tokens)`` and report pairs

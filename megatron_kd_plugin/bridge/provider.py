@@ -24,21 +24,21 @@ import pathlib
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
+                                                                    convert_split_vector_to_split_matrix,
+                                                                    parse_and_normalize_split,
+                                                                    )
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_kd_plugin.cache import (
-    BlendedRows,
-    EnsembleRows,
-    KDRows,
-    RowKind,
-    TokenBytes,
-    TopKCacheReader,
-    check_blend,
-    row_kind,
-)
+                                      BlendedRows,
+                                      EnsembleRows,
+                                      KDRows,
+                                      RowKind,
+                                      TokenBytes,
+                                      TopKCacheReader,
+                                      check_blend,
+                                      row_kind,
+                                      )
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "100,0,0"
@@ -47,7 +47,7 @@ DEFAULT_SPLIT = "100,0,0"
 @dataclasses.dataclass(frozen=True)
 class EnsembleSource:
     """The one source of an ensemble run: its stores and their weights; each row mixes the members' teachers over the
-    same sample (``cache.ensemble_rows``). A run's other sources are store paths (``str``)."""
+    same sample (``cache.rows.ensemble_rows``). A run's other sources are store paths (``str``)."""
 
     members: tuple[tuple[str, float], ...]
 
@@ -112,7 +112,7 @@ class TopKCacheDatasetProvider(DatasetProvider):
     read whole (``split`` must stay at its default)."""
 
     ensemble: str | list[str] | None = None
-    """Teachers cached over the same samples, mixed per token (``cache.ensemble_rows``): ``"0.5 general.zarr 0.5
+    """Teachers cached over the same samples, mixed per token (``cache.rows.ensemble_rows``): ``"0.5 general.zarr 0.5
     code_expert.zarr"`` (without weights: equal); top-K stores of one tokenizer whose tokens agree sample for sample.
     Cut by ``split``; it takes the place of ``cache_path`` and cannot be combined with a blend."""
 
@@ -138,16 +138,16 @@ class TopKCacheDatasetProvider(DatasetProvider):
     student_tokenizer: str | None = None
     """The student's tokenizer (a tokenizer.json, or a folder holding one: its HF tokenizer or checkpoint folder)
     when it differs from the teacher's: the rows are then re-tokenised and aligned (cross-tokenizer distillation,
-    ``cache.cross_tokenizer_rows``; seq_length need not divide the cache's; one store). None, or the store's own
+    ``cache.rows.cross_tokenizer_rows``; seq_length need not divide the cache's; one store). None, or the store's own
     tokenizer: the teacher's tokens and top-K as they are."""
 
     student_alignments: str = "sidecar"
     """Cross-tokenizer rows: where each cached sample's student tokenization and segments come from
-    (``cache.student_alignments``). ``sidecar``: the folder ``<store>.align-<tokenizer hash>`` beside the store,
-    memory-mapped (one copy per machine in the page cache), or, when absent or of another store/tokenizer, computed
-    for the whole store (batch encode, a progress bar) before step one by the first process to take its lock, written
-    there atomically while the others wait, then mapped (where the folder is read-only: computed on first use and
-    kept in memory, with a warning); ``memory``: computed on each sample's first read and kept in memory."""
+    (``cache.cross_tokenizer.student_alignments``). ``sidecar``: the folder ``<store>.align-<tokenizer hash>`` beside
+    the store, memory-mapped (one copy per machine in the page cache), or, when absent or of another store/tokenizer,
+    computed for the whole store (batch encode, a progress bar) before step one by the first process to take its lock,
+    written there atomically while the others wait, then mapped (where the folder is read-only: computed on first use
+    and kept in memory, with a warning); ``memory``: computed on each sample's first read and kept in memory."""
 
     def finalize(self) -> None:
         """Check the fields that need no store (Bridge calls this while validating the config)."""

@@ -45,14 +45,14 @@ import torch
 import torch.distributed as dist
 import zarr
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import REPAIR
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.lease import WriterLease, writer_lock
-from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
-from megatron_kd_plugin.cache.records import SampleReader, shard_records
-from megatron_kd_plugin.cache.sources import TokenWindows
-from megatron_kd_plugin.cache.topk import vocab_parallel_label_logprobs
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store.chunk_reader import REPAIR
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.lease import WriterLease, writer_lock
+from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
+from megatron_kd_plugin.cache.store.records import SampleReader, shard_records
+from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
+from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_label_logprobs
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
@@ -228,8 +228,8 @@ def prepare_shards(output: pathlib.Path, spec: fmt.CacheSpec, shards: range, rep
 
 
 def share_summary(source: TokenWindows) -> None:
-    """Computes the source's :attr:`~sources.TokenWindows.summary` (fingerprint and token range: one pass over its
-    files) on global rank 0 only, and hands it to every other rank (a failure raised on all ranks)."""
+    """Computes the source's :attr:`~sources.token_windows.TokenWindows.summary` (fingerprint and token range: one pass
+    over its files) on global rank 0 only, and hands it to every other rank (a failure raised on all ranks)."""
     summary = _agreed(lambda: source.summary)
     if _world()[1] > 1:
         box = [summary]

@@ -23,18 +23,18 @@ MTP). Every setting is checked before the teacher is built. Rerunning the same c
 written shard and rewrites the damaged ones (byte-identical to a clean run).
 
 ``--cross-tokenizer`` also stores each token's realised log-prob and the teacher tokenizer's byte table, so a
-student with its own tokenizer trains from the store (issue #18, ``cache/align.py``); JSONL data are checked to
-round-trip through the byte table first.
+student with its own tokenizer trains from the store (issue #18, ``cache/cross_tokenizer/align.py``); JSONL data are
+checked to round-trip through the byte table first.
 
 ``--draws N`` (instead of ``--topk``) writes a sampled store (issue #8): N ids per token drawn with replacement
 from q ∝ p^(1/t), t = ``--proposal-temperature`` (default 1), seeded by ``--draw-seed`` and the sample index (the
 same draws at any TP/DP size and after a resume). ``--head H --draws N`` keeps per token the exact top-H ids and
-draws the N from the rest of the distribution (issue #40, ``cache/head_draws.py``: the head exact, the tail's
+draws the N from the rest of the distribution (issue #40, ``cache/kinds/head_draws.py``: the head exact, the tail's
 estimate unbiased).
 
 ``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
 ``--logits-save-top-p-min-k``) keeps per token the smallest set of its highest-probability ids whose mass reaches
-P, at least M and at most K; the other slots are padding that costs ~nothing on disk (``cache/format.py``).
+P, at least M and at most K; the other slots are padding that costs ~nothing on disk (``cache/store/format.py``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd_plugin.cache import TopKCacheReader
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store import storage
 from megatron_kd_plugin.cache.kinds import store_kind
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -255,7 +255,7 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     exists; initialises (and destroys) megatron's parallel_state. ``on_shard_written``: ``write_cache``'s."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.cache.sources import open_source
+    from megatron_kd_plugin.cache.sources.token_windows import open_source
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
     from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
@@ -326,7 +326,7 @@ def cross_tokenizer_table(args, tokenizer: str | None, vocab_size: int):
     import itertools
     import json
 
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
+    from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes, check_lossless
 
     if not tokenizer:
         raise ValueError("--cross-tokenizer needs the teacher's tokenizer: pass --tokenizer (a tokenizer.json or a "

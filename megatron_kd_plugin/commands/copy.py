@@ -1,5 +1,5 @@
 """``python -m megatron_kd_plugin copy SOURCE DESTINATION [--workers N]``: copies a complete store between a local
-folder, ``s3://BUCKET/PREFIX`` and ``msc://PROFILE/PATH`` so that it stays valid (``cache/store_copy.py``): its
+folder, ``s3://BUCKET/PREFIX`` and ``msc://PROFILE/PATH`` so that it stays valid (``cache/store/store_copy.py``): its
 files first, the root zarr.json last, then every chunk of the copy read back and checked. A copy killed midway
 is refused by readers until the same command finishes it.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_kd_plugin.cache.store_copy import copy_store
+from megatron_kd_plugin.cache.store.store_copy import copy_store
 
 
 def main(argv: list[str]) -> int:

@@ -24,10 +24,10 @@ import warnings
 
 import numpy as np
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.chunk_reader import REPAIR
-from megatron_kd_plugin.cache.records import SampleReader, verify_shards
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.chunk_reader import REPAIR
+from megatron_kd_plugin.cache.store.records import SampleReader, verify_shards
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 

@@ -181,7 +181,7 @@ def train(run_cfg):
 @torch.no_grad()
 def bits_per_byte(model, tokenizer_path: pathlib.Path, heldout: list[str], seq: int) -> float:
     """Held-out bits per byte: the documents tokenized back to back, windows of seq + 1 tokens (one shared)."""
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes
+    from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
     table = TokenBytes.load(tokenizer_path)
     stream = torch.from_numpy(stream_of(tokenizer_path, heldout))
@@ -223,8 +223,8 @@ def segment_pull(model, rows: list, temperature: float) -> float:
 
 def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reuse: bool):
     """Tokenizers, teacher and store (kept from an earlier run with ``reuse``); (paths, texts, teacher bpb row)."""
-    from megatron_kd_plugin.cache.sources import TokenWindows
-    from megatron_kd_plugin.cache.token_bytes import TokenBytes, check_lossless
+    from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
+    from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes, check_lossless
     from megatron_kd_plugin.cache.writer import write_cache
 
     train_texts, heldout = corpus(cfg)
@@ -338,10 +338,10 @@ def token_coverage(rows: list, reader, student) -> dict[str, float]:
     there, and how often ``first_tokens``' context-free first token of the realised teacher token's remaining bytes
     is B's own next token (at the boundary positions / inside a token; ``runs past``: B's next token ends after the
     realised teacher token, where no first token of it can be)."""
-    from megatron_kd_plugin.cache import format as fmt
-    from megatron_kd_plugin.cache.align import byte_ends
-    from megatron_kd_plugin.cache.first_tokens import FirstTokens
-    from megatron_kd_plugin.cache.token_slots import read_positions
+    from megatron_kd_plugin.cache.store import format as fmt
+    from megatron_kd_plugin.cache.cross_tokenizer.align import byte_ends
+    from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
+    from megatron_kd_plugin.cache.cross_tokenizer.token_slots import read_positions
     from megatron_kd_plugin.loss import tensor_map
     from megatron_kd_plugin.loss.cross_tokenizer_loss import token_teacher
 

@@ -14,24 +14,25 @@ predicts y_t. Read the teacher at the last teacher token ending at or before b_t
 Candidates: the K + 1 slots at u, the top-K and the realised token x_{u+1} (slot K, unless the top-K holds it). A
 candidate v is consistent when its string s_v starts with pi; it reaches the student's next token
     mu(v) = y_t for v = x_{u+1} (the realised text decides it),
-            the student's first token of s_v[o:] otherwise (``cache.first_tokens``: context-free; none where
-            len(s_v) = o or the student has no such token).
+            the student's first token of s_v[o:] otherwise (``cache.cross_tokenizer.first_tokens``: context-free; none
+            where len(s_v) = o or the student has no such token).
 The teacher's distribution over the student's next token, and the rest of its mass as the ghost bucket:
     P_t(w) = sum_{consistent v: mu(v) = w} p_v / Z_t,     Z_t = 1 at a boundary position (o = 0, every candidate is
              consistent),  Z_t = sum_{consistent v} p_v inside a teacher token (o > 0: what the slots know of the
-             teacher's probability that its next token starts with pi; there at most ``cache.token_slots``'
-             MID_CANDIDATES candidates are kept, the realised one and the most probable others)
+             teacher's probability that its next token starts with pi; there at most
+             ``cache.cross_tokenizer.token_slots``' MID_CANDIDATES candidates are kept, the realised one and the most
+             probable others)
     P_t(ghost) = 1 - sum_w P_t(w)          (the teacher's tail, candidates reaching no student token)
 A position is covered when some candidate reaches a student token (every position after the teacher's first token,
-unless the realised log-prob is -inf); the rows carry the candidates (``cache.align``: ``token_positions``,
-``token_ids``, ``token_logprobs``, ``realised_logprobs``, ``realised_slots``, ``mid_ids``, ``mid_logprobs``),
-``token_teacher`` expands them on the device into a top-K teacher [s, b, K + 1] in the student's ids, and the
-token-level divergence is the top-K loss's with the ghost tail and no temperature (``token_math``: repeated ids
+unless the realised log-prob is -inf); the rows carry the candidates (``cache.cross_tokenizer.align``:
+``token_positions``, ``token_ids``, ``token_logprobs``, ``realised_logprobs``, ``realised_slots``, ``mid_ids``,
+``mid_logprobs``), ``token_teacher`` expands them on the device into a top-K teacher [s, b, K + 1] in the student's ids,
+and the token-level divergence is the top-K loss's with the ghost tail and no temperature (``token_math``: repeated ids
 merged, the buckets and the tail):
     f_t = divergence(P_t, Q_t) over the buckets                [T]   0 where no slot is covered
     P = the counted covered tokens
 Segment term (weight 1 - gamma): segment c of sample b (the bytes between two common token boundaries,
-``cache.align``): the student tokens t with segment_ids[t] = c (same b), n_c of them,
+``cache.cross_tokenizer.align``): the student tokens t with segment_ids[t] = c (same b), n_c of them,
     s_c = sum_{t in c} l_t                            [C]   the student's segment log-likelihood
     t_c = segment_logprobs[c, b]                      [C]   the teacher's (the sum of its realised log-probs in c)
 Binarised f-divergence at temperature tau (the paper's; tokenkit's ``binary_ce`` is its forward KL up to a
@@ -71,12 +72,12 @@ EPS = 1e-6
 
 
 class CrossTokenizerTeacher(NamedTuple):
-    """A teacher cached with another tokenizer, aligned to the student's tokens (``cache.align``): per student
-    position its ALM segment and where its token-level candidates are, per segment the teacher's log-likelihood, the
-    sample's candidates per cached position (the top-K in the student's first tokens, and the realised token) and
+    """A teacher cached with another tokenizer, aligned to the student's tokens (``cache.cross_tokenizer.align``): per
+    student position its ALM segment and where its token-level candidates are, per segment the teacher's log-likelihood,
+    the sample's candidates per cached position (the top-K in the student's first tokens, and the realised token) and
     the candidates of the positions inside a teacher token. Shapes batch-first as a dataset yields them ([b, S_s]
-    student positions, [b, S, K] cached positions); the loss takes them in [s, b] order (``tensor_map`` of a
-    transpose). K = J = 0 where the store holds no top-K (a sampled store)."""
+    student positions, [b, S, K] cached positions); the loss takes them in [s, b] order (``tensor_map`` of a transpose).
+    K = J = 0 where the store holds no top-K (a sampled store)."""
 
     segment_ids: torch.Tensor        # [b, S_s] int64: the segment of each label within its sample, -1: none
     segment_logprobs: torch.Tensor   # [b, S_s] float: entry c = t_c of the sample's segment c (rows beyond unused)

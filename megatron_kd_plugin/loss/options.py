@@ -159,7 +159,7 @@ class KDLossResult(NamedTuple):
 
 
 def check_training_options(options: KDLossOptions, *, heal: bool) -> list[str]:
-    """Before step one of a training run on a teacher's top-K or draws (``cache.slot_rows.SlotRows.check``):
+    """Before step one of a training run on a teacher's top-K or draws (``cache.rows.slot_rows.SlotRows.check``):
     combinations measured to leave a student worse than it started (docs/demo.md, "The option screen": every tail x
     temperature x divergence x alpha on the heal demo). ValueError for a combination that starves the student whatever
     the learning rate; the warning lines for one that did at the recipe's learning rate (``heal``: the student starts

@@ -14,7 +14,7 @@ from .topk_teacher import TopKTeacher
 from .topk_loss import topk_kd_loss
 
 RowTeacher = TopKTeacher | SampledTeacher | CrossTokenizerTeacher
-"""The teacher side of a training row: every kind a store's rows carry (``cache.rows.KDRow.teacher``)."""
+"""The teacher side of a training row: every kind a store's rows carry (``cache.rows.kd_rows.KDRow.teacher``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

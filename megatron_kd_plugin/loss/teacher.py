@@ -70,7 +70,7 @@ class SlotTeacher(Protocol):
 
     def padded(self, k: int) -> SlotTeacher:
         """The same teacher in ``k`` >= K slots per token (padding slots hold no support): rows of stores of
-        different K side by side (a blend, ``cache.blended_rows``)."""
+        different K side by side (a blend, ``cache.rows.blended_rows``)."""
 
     def mass(self) -> torch.Tensor:
         """[...] the untempered mass of the slots (float64)."""

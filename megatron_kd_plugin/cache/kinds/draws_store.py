@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM
-from megatron_kd_plugin.cache.draws import draw_uniforms, draw_weights, vocab_parallel_draws
+from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM
+from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
 from megatron_kd_plugin.loss import SampledTeacher
 

@@ -5,9 +5,9 @@ head exact, the tail unbiased)."""
 
 from __future__ import annotations
 
-from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP
-from megatron_kd_plugin.cache.draws import draw_uniforms
-from megatron_kd_plugin.cache.head_draws import head_draw_weights, vocab_parallel_head_draws
+from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP
+from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
+from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights, vocab_parallel_head_draws
 from megatron_kd_plugin.cache.kinds.draws_store import DrawsStore
 
 

@@ -1,7 +1,7 @@
 """What one kind of teacher store is: the interface every kind (``kinds/``) implements, and the one place the
 writer, the reader, ``inspect`` and the cache command learn what a store holds per token.
 
-A kind owns, for its stores: which :class:`~megatron_kd_plugin.cache.format.CacheSpec` fields it sets and checks
+A kind owns, for its stores: which :class:`~megatron_kd_plugin.cache.store.format.CacheSpec` fields it sets and checks
 (``fields``, ``check``), the arrays it adds (``token_arrays``), its log-prob codec (``default_codec``,
 ``grid_codec``), how a shard's rows are computed from the teacher's vocab-parallel logits (``teacher_rows``), how a
 row read back becomes the loss's typed teacher (``teacher``) and which loss tails fit it (``check_tail``), and its
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS
+from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS
 from megatron_kd_plugin.loss import KDLossOptions
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.array_names import IDS, LOGPROBS, LOGSUMEXP
+from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
-from megatron_kd_plugin.cache.topk import vocab_parallel_topk
+from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_topk
 from megatron_kd_plugin.loss import TopKTeacher
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_kd_plugin.cache.kinds.top_k_store import TopKStore, topk_statistics
-from megatron_kd_plugin.cache.topk import top_p_mask
+from megatron_kd_plugin.cache.kinds.topk import top_p_mask
 
 
 class TopPStore(TopKStore):

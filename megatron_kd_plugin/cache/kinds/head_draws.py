@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_kd_plugin.cache.draws import vocab_parallel_draws
-from megatron_kd_plugin.cache.topk import group_size, vocab_parallel_topk
+from megatron_kd_plugin.cache.kinds.draws import vocab_parallel_draws
+from megatron_kd_plugin.cache.kinds.topk import group_size, vocab_parallel_topk
 
 
 class HeadDraws(NamedTuple):

@@ -30,8 +30,8 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.chunk_reader import REPAIR, BoundedCache, DamagedStoreError, open_chunk_reader
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store.chunk_reader import REPAIR, BoundedCache, DamagedStoreError, open_chunk_reader
 
 
 def chunk_record(identity: str, name: str, sample: int, checksum: int) -> int:

@@ -34,8 +34,8 @@ import dataclasses
 
 import numpy as np
 
-from megatron_kd_plugin.cache.first_tokens import FirstTokens
-from megatron_kd_plugin.cache.token_bytes import TokenBytes
+from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
+from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
 MID_CANDIDATES = 16
 """Candidates kept per position inside a teacher token (the realised one and the most probable others)."""

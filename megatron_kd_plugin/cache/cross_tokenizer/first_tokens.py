@@ -28,7 +28,7 @@ import json
 
 import numpy as np
 
-from megatron_kd_plugin.cache.token_bytes import TokenBytes
+from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
 
 def _mid_text_spec(spec: dict | None) -> dict | None:

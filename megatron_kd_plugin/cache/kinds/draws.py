@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kd_plugin.cache.topk import group_size, combine_logsumexp
+from megatron_kd_plugin.cache.kinds.topk import group_size, combine_logsumexp
 
 
 class TeacherDraws(NamedTuple):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import warnings
 
-from megatron_kd_plugin.cache.rows import KDRow, RowKind
-from megatron_kd_plugin.cache.student_alignments import StudentAlignments, load_or_write, sidecar_path
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow, RowKind
+from megatron_kd_plugin.cache.cross_tokenizer.student_alignments import StudentAlignments, load_or_write, sidecar_path
 from megatron_kd_plugin.loss import KDLossOptions
 from megatron_kd_plugin.loss.cross_tokenizer_loss import check_options
 

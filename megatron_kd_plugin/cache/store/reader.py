@@ -4,13 +4,14 @@
 kind's type (``kinds.StoreKind.teacher``): a ``TopKTeacher`` (ids sorted ascending per row, log-probs) or, for
 draws (K = N), a ``SampledTeacher`` whose importance weights w = (1/N)·p/q the kind computes from the stored l (and
 G when t != 1); with the teacher's full-vocab logsumexp ``[S]`` when stored.
-A cross-tokenizer store's samples also carry the realised log-prob ``[S]`` and ``reader.vocab_table()`` is the teacher tokenizer's byte table (``token_bytes.TokenBytes``). A student's training
-rows are read by the store's kind of rows (``rows.py``). Opening refuses an unfinished store and one whose metadata
-do not match its attributes (``format.open_store``); ``validate`` checks the store against what the student
-expects; both raise ValueError saying what is wrong. Every read checks the CRC32C of the shard index
-and of the chunk (``chunk_reader.py``), the chunk's record binding it to its array, sample and store, and that
-its ids lie in the vocabulary (``records.py``): damage, or a store replaced since the reader opened it, raises
-``chunk_reader.DamagedStoreError`` (a ValueError) naming the file and the samples, never returns wrong rows.
+A cross-tokenizer store's samples also carry the realised log-prob ``[S]`` and ``reader.vocab_table()`` is the teacher
+tokenizer's byte table (``token_bytes.TokenBytes``). A student's training rows are read by the store's kind of rows
+(``rows/kd_rows.py``). Opening refuses an unfinished store and one whose metadata do not match its attributes
+(``format.open_store``); ``validate`` checks the store against what the student expects; both raise ValueError saying
+what is wrong. Every read checks the CRC32C of the shard index and of the chunk (``chunk_reader.py``), the chunk's
+record binding it to its array, sample and store, and that its ids lie in the vocabulary (``records.py``): damage, or a
+store replaced since the reader opened it, raises ``chunk_reader.DamagedStoreError`` (a ValueError) naming the file and
+the samples, never returns wrong rows.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.read_ahead import ReadAhead
-from megatron_kd_plugin.cache.records import SampleReader
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.read_ahead import ReadAhead
+from megatron_kd_plugin.cache.store.records import SampleReader
 from megatron_kd_plugin.loss import SampledTeacher, TopKTeacher
 
 
@@ -111,7 +112,7 @@ class TopKCacheReader:
     def vocab_table(self):
         """The teacher tokenizer's byte table of a cross-tokenizer store (``token_bytes.TokenBytes``); ValueError
         naming the cache option that writes it when the store lacks it, or when it is damaged."""
-        from megatron_kd_plugin.cache.token_bytes import TokenBytes
+        from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
         if not self.spec.cross_tokenizer:
             raise ValueError(f"{self.path} holds no cross-tokenizer arrays (the teacher's realised log-probs and byte "

@@ -27,8 +27,8 @@ import threading
 import time
 import uuid
 
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.lock import LOCK_NAME
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.lock import LOCK_NAME
 
 LEASE_SECONDS = float(os.environ.get("KD_STORE_LEASE_SECONDS", 60))
 """How long a lease lives without renewal (the ``KD_STORE_LEASE_SECONDS`` variable; default 60 s)."""
@@ -152,7 +152,7 @@ def writer_lock(output, *, exclusive: bool):
     if isinstance(output, storage.ObjectPrefix):
         lease = WriterLease(output)
         return lease.exclusive() if exclusive else lease
-    from megatron_kd_plugin.cache.lock import WriterLock
+    from megatron_kd_plugin.cache.store.lock import WriterLock
 
     lock = WriterLock(output)
     return lock.exclusive() if exclusive else lock.shared()

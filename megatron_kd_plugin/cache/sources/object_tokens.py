@@ -17,7 +17,7 @@ import pathlib
 
 import numpy as np
 
-from megatron_kd_plugin.cache import storage
+from megatron_kd_plugin.cache.store import storage
 
 INDEX_CACHE = pathlib.Path(os.environ.get("KD_INDEX_CACHE", "~/.cache/megatron_kd_plugin/idx")).expanduser()
 """Where the ``.idx`` files of object-storage token data are cached (the ``KD_INDEX_CACHE`` variable)."""

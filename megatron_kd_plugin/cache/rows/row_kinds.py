@@ -1,11 +1,11 @@
 """The kinds of teacher rows, looked up for a store and a student: the one place that decides which kind a run
-reads (``rows.RowKind``)."""
+reads (``kd_rows.RowKind``)."""
 
 from __future__ import annotations
 
-from megatron_kd_plugin.cache.cross_tokenizer_rows import CrossTokenizerRows
-from megatron_kd_plugin.cache.rows import RowKind
-from megatron_kd_plugin.cache.slot_rows import SlotRows
+from megatron_kd_plugin.cache.rows.cross_tokenizer_rows import CrossTokenizerRows
+from megatron_kd_plugin.cache.rows.kd_rows import RowKind
+from megatron_kd_plugin.cache.rows.slot_rows import SlotRows
 
 ROW_KINDS: tuple[type[RowKind], ...] = (CrossTokenizerRows, SlotRows)
 """Every kind, the first that serves a store and student wins."""

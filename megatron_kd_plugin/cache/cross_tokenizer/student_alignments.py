@@ -41,11 +41,12 @@ import tempfile
 import google_crc32c
 import numpy as np
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.align import SampleAlignment, TeacherTopK, align_sample, alignment_row, valid_text
-from megatron_kd_plugin.cache.first_tokens import FirstTokens
-from megatron_kd_plugin.cache.rows import KDRow
-from megatron_kd_plugin.cache.token_slots import MID_CANDIDATES, TokenSlots
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.cross_tokenizer.align import (SampleAlignment, TeacherTopK, align_sample, alignment_row,
+                                                            valid_text)
+from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow
+from megatron_kd_plugin.cache.cross_tokenizer.token_slots import MID_CANDIDATES, TokenSlots
 
 SIDECAR_FORMAT = "megatron_kd_plugin.student_alignments/4"
 BLOCK = 64

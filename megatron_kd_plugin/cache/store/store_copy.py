@@ -13,11 +13,11 @@ from __future__ import annotations
 import concurrent.futures
 import pathlib
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.lock import LOCK_NAME
-from megatron_kd_plugin.cache.reader import TopKCacheReader
-from megatron_kd_plugin.cache.records import verify_shards
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.lock import LOCK_NAME
+from megatron_kd_plugin.cache.store.reader import TopKCacheReader
+from megatron_kd_plugin.cache.store.records import verify_shards
 
 
 def copy_store(source, destination, *, workers: int = 16, verify_workers: int = 1, progress: bool = False) -> int:

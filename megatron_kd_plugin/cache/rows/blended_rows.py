@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.rows import KDRow, KDRows, RowKind
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind
 
 
 def check_blend(kinds: Mapping[str, RowKind]) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_kd_plugin.cache.rows import KDRow, RowKind
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow, RowKind
 from megatron_kd_plugin.loss import KDLossOptions, TopKTeacher
 
 

@@ -1,10 +1,11 @@
 """Student training rows read from a store: the typed row, the protocol every kind of teacher row follows, and the
 map-style dataset Megatron's samplers index.
 
-A kind of row (``slot_rows``: any store read with the teacher's tokenizer; ``cross_tokenizer_rows``; ``row_kinds`` looks one up for a store and
-a student) says in one place what the store holds for it (``serves``), how a row is read (``row``: a ``KDRow`` whose
-``teacher`` is the kind's typed teacher, which picks the loss: ``megatron_kd_plugin.loss.step``) and what it needs of
-the run (``check``). Nothing else tests which kind a store or a row is.
+A kind of row (``slot_rows``: any store read with the teacher's tokenizer; ``cross_tokenizer_rows``; ``row_kinds`` looks
+one up for a store and a student) says in one place what the store holds for it (``serves``), how a row is read
+(``row``: a ``KDRow`` whose ``teacher`` is the kind's typed teacher, which picks the loss:
+``megatron_kd_plugin.loss.step``) and what it needs of the run (``check``). Nothing else tests which kind a store or a
+row is.
 
 Rows are windows of a split's cached samples visited epoch after epoch, each epoch in its own order, a keyed
 bijection of the epoch's windows computed row by row from (seed, epoch) (``window_order.WindowOrder``: O(1) memory,
@@ -23,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.window_order import WindowOrder
+from megatron_kd_plugin.cache.rows.window_order import WindowOrder
 from megatron_kd_plugin.loss import KDLossOptions, RowTeacher
 
 

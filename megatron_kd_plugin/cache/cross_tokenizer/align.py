@@ -17,7 +17,7 @@ token j_K <= seq_length: tokens 0..j_K are kept, segments 1..K used, nothing aft
 tokens after the last common boundary (a window's ragged end) are dropped too. With no common boundary within
 reach the row holds the first seq_length + 1 tokens with no segment (CE only).
 
-Row (a ``rows.KDRow``; student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens
+Row (a ``kd_rows.KDRow``; student positions p = 0..seq_length-1; position p predicts token p + 1; m = the kept tokens
 - 1): tokens [S_s] ids 0..m-1 (0-padded), labels [S_s] ids 1..m (0-padded), loss_mask [S_s] 1 for p < m, and the
 teacher, a ``CrossTokenizerTeacher``:
     segment_ids [S_s] int64: k(b_{p+1}) - 1 for used segments, else -1,
@@ -48,10 +48,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.first_tokens import FirstTokens
-from megatron_kd_plugin.cache.rows import KDRow
-from megatron_kd_plugin.cache.token_bytes import TokenBytes
-from megatron_kd_plugin.cache.token_slots import MID_CANDIDATES, TokenSlots, token_slots
+from megatron_kd_plugin.cache.cross_tokenizer.first_tokens import FirstTokens
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow
+from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
+from megatron_kd_plugin.cache.cross_tokenizer.token_slots import MID_CANDIDATES, TokenSlots, token_slots
 from megatron_kd_plugin.loss import CrossTokenizerTeacher
 
 

@@ -72,13 +72,13 @@ a version-3 reader refuses them by their version instead of serving padding it d
 are in the attributes (and the identity) of top-p stores only.
 
 Cross-tokenizer stores (``vocab_bytes`` > 0, ``cache --cross-tokenizer``, issue #18) also hold what a student
-with another tokenizer needs (``megatron_kd_plugin.cache.align``): ``teacher_realised_logprob[i, t]`` = the
-teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K or not), in the log-prob codec; and
-the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``,
-o = ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and
-token t's byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only
-the realised log-prob is per token (~1.2 B/token in fp16-bitround7, the codec of this array when the log-prob
-codec is a grid, which needs rows of several slots; docs/cache.md).
+with another tokenizer needs (``megatron_kd_plugin.cache.cross_tokenizer.align``): ``teacher_realised_logprob[i, t]`` =
+the teacher's log-prob of the realised next token ``tokens[i, t+1]`` (in the top-K or not), in the log-prob codec; and
+the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_bytes[o[v]:o[v+1]]``, o =
+``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and token t's
+byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only the realised
+log-prob is per token (~1.2 B/token in fp16-bitround7, the codec of this array when the log-prob codec is a grid, which
+needs rows of several slots; docs/cache.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
@@ -118,12 +118,12 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.errors import ZarrUserWarning
 
-from megatron_kd_plugin.cache import storage
-from megatron_kd_plugin.cache.array_names import (ARRAYS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
-                                                   PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
-                                                   VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
+from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.store.array_names import (ARRAYS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
+                                                        PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
+                                                        VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
 from megatron_kd_plugin.cache.kinds import MODES, STORE_KINDS, StoreKind, check_kind_fields, store_kind
-from megatron_kd_plugin.cache.lock import LOCK_NAME, WriterLock
+from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.logprob_grid import LogprobGridZarr
 
 FORMAT_NAME = "megatron_kd_plugin.topk_cache"

@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_kd_plugin.cache.format import local_path
-from megatron_kd_plugin.cache.storage import is_object_url
+from megatron_kd_plugin.cache.store.format import local_path
+from megatron_kd_plugin.cache.store.storage import is_object_url
 
 
 def file_digest(paths, extra: str = "") -> str:
@@ -112,7 +112,7 @@ def indexed_dataset_windows(prefix: str, seq_length: int, *, num_samples: int | 
     from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader
 
     if is_object_url(prefix):
-        from megatron_kd_plugin.cache.object_tokens import ObjectIndexedDataset
+        from megatron_kd_plugin.cache.sources.object_tokens import ObjectIndexedDataset
 
         remote = ObjectIndexedDataset(prefix)
         index_file, bin_name, size, fingerprint = remote.cached_index(), remote.bin_name, remote.bin_size, \

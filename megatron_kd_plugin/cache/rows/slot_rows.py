@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kd_plugin.cache import format as fmt
-from megatron_kd_plugin.cache.rows import KDRow, RowKind, window_row
+from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow, RowKind, window_row
 from megatron_kd_plugin.loss import KDLossOptions
 from megatron_kd_plugin.loss.options import check_training_options
 
