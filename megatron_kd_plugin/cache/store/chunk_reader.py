@@ -50,6 +50,13 @@ class BoundedCache:
         self._values: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()                  # read-ahead threads share it (``read_ahead.py``)
 
+    def __getstate__(self):
+        """Pickled empty and without its lock: a DataLoader worker reads (and caches) on its own."""
+        return {"max_bytes": self.max_bytes}
+
+    def __setstate__(self, state):
+        self.__init__(state["max_bytes"])
+
     def get(self, key):
         with self._lock:
             value = self._values.get(key)
