@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -83,6 +84,8 @@ def test_an_s3_store_holds_the_local_stores_bytes_and_reads_back_through_s3_and_
         for sample in (0, 5, SAMPLES - 1):
             mine, theirs = remote[sample], local[sample]
             assert mine.keys() == theirs.keys() and all((mine[k] == theirs[k]).all() for k in mine)
+    with pytest.raises(ValueError, match="read by the training process itself .*: set dataset.num_workers=0"):
+        pickle.dumps(remote)                                   # a DataLoader worker process cannot take it
     assert inspect_main([stores["s3"], "--verify", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert f"store {stores['s3']}" in out and "verified: every checksum and record of the 12 written samples" in out

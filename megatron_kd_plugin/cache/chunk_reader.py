@@ -50,6 +50,13 @@ class BoundedCache:
         self._values: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()                  # read-ahead threads share it (``read_ahead.py``)
 
+    def __getstate__(self):                            # a reader pickled into a DataLoader worker: a lock of its own
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def get(self, key):
         with self._lock:
             value = self._values.get(key)
