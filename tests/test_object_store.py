@@ -22,7 +22,7 @@ from megatron_kd_plugin.cache.lease import WriterLease
 from megatron_kd_plugin.cache.lock import LOCK_NAME
 from megatron_kd_plugin.cache.sources import TokenWindows
 from megatron_kd_plugin.cache.storage import location
-from megatron_kd_plugin.cache.writer import write_cache
+from megatron_kd_plugin.cache.writer import refuse_while_written, write_cache
 from tests.distributed import scaled
 from tests.test_bridge_train import K, SEQ, VOCAB, tiny_overrides
 
@@ -108,7 +108,8 @@ def test_a_writer_killed_mid_store_leaves_it_unreadable_and_the_rerun_writes_the
     assert location(url).exists(LOCK_NAME)                     # the killed run's lease, left behind
     with pytest.raises(ValueError, match=r"is unfinished: samples \[4, 12\) of 12 are not written"):
         TopKCacheReader(url)
-    stats = write(url)                                        # its holder is dead on this host: taken over at once
+    refuse_while_written(url)                                 # the cache command's early check lets the rerun go:
+    stats = write(url)                                        # its holder is dead on this host, taken over at once
     assert (stats.shards_written, stats.shards_skipped) == (2, 1)
     assert objects(url) == objects(stores["s3"]) and not location(url).exists(LOCK_NAME)
 
