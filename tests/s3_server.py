@@ -3,7 +3,8 @@
 
 ``LocalS3.start(folder)`` returns once the S3 port answers; ``env()`` is what a user of the store sets for it
 (the ``AWS_*`` variables every S3 client reads), ``msc_config(path)`` writes a multi-storage-client profile
-``local`` pointing at the same server; ``stop()`` ends the process it started.
+``local`` pointing at the same server; ``stop()`` ends the process it started. ``python -m tests.s3_server FOLDER``
+serves until killed and prints the variables to set (for trying the commands by hand).
 """
 
 from __future__ import annotations

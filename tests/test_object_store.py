@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from megatron_kd_plugin.cache.store.lease import WriterLease
 from megatron_kd_plugin.cache.store.lock import LOCK_NAME
 from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.store.storage import location
-from megatron_kd_plugin.cache.writer import write_cache
+from megatron_kd_plugin.cache.writer import refuse_while_written, write_cache
 from tests.distributed import scaled
 from tests.test_bridge_train import K, SEQ, VOCAB, tiny_overrides
 from tests.test_cache_store import same_sample
@@ -84,6 +85,8 @@ def test_an_s3_store_holds_the_local_stores_bytes_and_reads_back_through_s3_and_
         for sample in (0, 5, SAMPLES - 1):
             mine, theirs = remote[sample], local[sample]
             assert same_sample(mine, theirs)
+    with pytest.raises(ValueError, match="read by the training process itself .*: set dataset.num_workers=0"):
+        pickle.dumps(remote)                                   # a DataLoader worker process cannot take it
     assert inspect_main([stores["s3"], "--verify", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert f"store {stores['s3']}" in out and "verified: every checksum and record of the 12 written samples" in out
@@ -106,7 +109,8 @@ def test_a_writer_killed_mid_store_leaves_it_unreadable_and_the_rerun_writes_the
     assert location(url).exists(LOCK_NAME)                     # the killed run's lease, left behind
     with pytest.raises(ValueError, match=r"is unfinished: samples \[4, 12\) of 12 are not written"):
         TopKCacheReader(url)
-    stats = write(url)                                        # its holder is dead on this host: taken over at once
+    refuse_while_written(url)                                 # the cache command's early check lets the rerun go:
+    stats = write(url)                                        # its holder is dead on this host, taken over at once
     assert (stats.shards_written, stats.shards_skipped) == (2, 1)
     assert objects(url) == objects(stores["s3"]) and not location(url).exists(LOCK_NAME)
 

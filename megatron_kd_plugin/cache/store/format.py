@@ -590,15 +590,16 @@ def _documents(path) -> dict:
         files = [("", "zarr.json")] + [(file.parent.name, f"{file.parent.name}/zarr.json")
                                        for file in sorted(path.glob("*/zarr.json"))]
         read = lambda key: (path / key).read_bytes()
-    for name, key in files:
+    for name, key in files:                              # (a folder without a zarr.json is no array: skipped)
         try:
-            documents[name] = json.loads(read(key))
+            data = read(key)
         except FileNotFoundError:
             if name == "":
                 raise ValueError(f"{path} is not a teacher cache (no zarr.json)") from None
+            continue
+        try:
+            documents[name] = json.loads(data)
         except ValueError as exc:                        # JSONDecodeError, UnicodeDecodeError
-            if isinstance(exc, storage.ConditionFailed) or str(exc).startswith(str(path)):
-                raise
             raise ValueError(f"{files_of(path).name(key)} is damaged (not valid JSON: {exc}); the store's metadata "
                              "cannot be repaired: rewrite the store (rerun the cache command that wrote it, plus "
                              "--overwrite)") from exc

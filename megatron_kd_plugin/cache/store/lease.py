@@ -64,7 +64,7 @@ class WriterLease:
     def probe(self) -> None:
         """ValueError while another run holds a live lease on the store (taking nothing)."""
         head = self.prefix.head(LOCK_NAME)
-        if head is not None and not self._expired(head):
+        if head is not None and not self._expired(head) and not self._dead_here():
             self._refuse_live(head)
 
     def shared(self) -> "WriterLease":
@@ -92,14 +92,14 @@ class WriterLease:
         head = self.prefix.head(LOCK_NAME)
         if head is None:                                 # released in between: take it fresh
             return self.prefix.put(LOCK_NAME, body, mode="create")
-        if not self._expired(head) and not self._dead_here(head):
+        if not self._expired(head) and not self._dead_here():
             self._refuse_live(head)
         try:
             return self.prefix.put(LOCK_NAME, body, mode=head["e_tag"])
         except storage.ConditionFailed:
             self._refuse_live(self.prefix.head(LOCK_NAME))
 
-    def _holder_of(self, head) -> dict:
+    def _holder_of(self) -> dict:
         try:
             found = json.loads(self.prefix.get(LOCK_NAME))
             return found if isinstance(found, dict) else {}
@@ -110,8 +110,8 @@ class WriterLease:
         age = (datetime.datetime.now(datetime.timezone.utc) - head["last_modified"]).total_seconds()
         return age > LEASE_SECONDS
 
-    def _dead_here(self, head) -> bool:
-        holder = self._holder_of(head)
+    def _dead_here(self) -> bool:
+        holder = self._holder_of()
         if holder.get("host") != self.holder["host"] or not isinstance(holder.get("pid"), int):
             return False
         try:
@@ -125,7 +125,7 @@ class WriterLease:
     def _refuse_live(self, head) -> None:
         if head is None:
             return
-        holder = self._holder_of(head)
+        holder = self._holder_of()
         age = (datetime.datetime.now(datetime.timezone.utc) - head["last_modified"]).total_seconds()
         raise ValueError(f"another run is writing {self.prefix}: its lease {self.prefix.name(LOCK_NAME)} (process "
                          f"{holder.get('pid', '?')} on {holder.get('host', '?')}) was renewed {age:.0f} s ago and "

@@ -128,9 +128,6 @@ class ObjectPrefix:
     def __hash__(self) -> int:
         return hash(self.url)
 
-    def __reduce__(self):                                # pickled by URL: a process connects on its own
-        return (location, (self.url,))
-
     @classmethod
     def from_url(cls, url: str) -> "ObjectPrefix":
         scheme, rest = url.split("://", 1)
