@@ -107,6 +107,14 @@ def test_windows_of_a_shorter_student_sequence(tmp_path):
         assert row.teacher.ids.dtype == torch.int32
         assert torch.equal(row.teacher.ids.long(), full.teacher.ids[4 * part:4 * part + 4])
         assert torch.equal(row.teacher.logprobs.float(), full.teacher.logprobs[4 * part:4 * part + 4])
+    # a row's tensors are its own: none wraps the reader's read-only decode buffers (an fp16 store's log-probs;
+    # torch warned of undefined behaviour in every heal's log)
+    write(tmp_path / "fp16", logprob_codec="fp16")
+    wrapped, from_numpy = [], torch.from_numpy
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "from_numpy", lambda array: wrapped.append(array.flags.writeable) or from_numpy(array))
+        row_kind(TopKCacheReader(tmp_path / "fp16"), seq_length=4).row(0, 1)
+    assert wrapped and all(wrapped), wrapped
     with pytest.raises(ValueError, match="does not divide"):
         row_kind(reader, seq_length=5)
     with pytest.raises(IndexError):

@@ -44,7 +44,7 @@ class KDRow(NamedTuple):
 def window_row(tokens: np.ndarray, teacher) -> KDRow:
     """The row of a window of S + 1 cached tokens [S + 1] and its teacher ([S, ...]): labels are the tokens shifted
     by one, every position counted."""
-    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    tokens = torch.from_numpy(np.array(tokens, dtype=np.int64))       # a copy: the chunk cache's buffers are read-only
     seq_length = len(tokens) - 1
     return KDRow(tokens[:-1], tokens[1:], torch.ones(seq_length, dtype=torch.float32),
                  torch.arange(seq_length, dtype=torch.long), teacher)

@@ -58,5 +58,6 @@ class SlotRows(RowKind):
     def row(self, sample: int, window: int) -> KDRow:
         arrays = self.reader.sample_arrays(sample, (fmt.TOKENS, *self.names))
         begin, end = window * self.seq_length, (window + 1) * self.seq_length
-        rows = {name: torch.from_numpy(arrays[name][begin:end]) for name in self.names}
+        # a copy: the arrays are the chunk cache's read-only buffers, shared with the next reads of the sample
+        rows = {name: torch.from_numpy(arrays[name][begin:end].copy()) for name in self.names}
         return window_row(arrays[fmt.TOKENS][begin:end + 1], self.store_kind.teacher(self.reader.spec, rows))

@@ -131,7 +131,7 @@ class TopKCacheReader:
         """Sample ``index`` (module docstring)."""
         arrays = self.sample_arrays(self._check_index(index, len(self)))
         rows = {fmt.IDS: torch.from_numpy(arrays[fmt.IDS].astype(np.int64)),
-                fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS].astype(np.float32, copy=False))}
+                fmt.LOGPROBS: torch.from_numpy(arrays[fmt.LOGPROBS].astype(np.float32))}
         rows |= {name: torch.from_numpy(arrays[name].copy()) for name in self.spec.kind.token_arrays(self.spec)}
         optional = [torch.from_numpy(arrays[name].astype(np.float32)) if name in arrays else None
                     for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB)]
