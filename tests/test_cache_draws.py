@@ -129,11 +129,11 @@ def test_non_finite_logits_are_flagged_and_bad_arguments_raise():
         vocab_parallel_draws(logits, draw_uniforms(0, 0, B + 1, S, 4))
 
 
-def test_blocks_of_positions_give_the_same_draws():
-    logits, uniforms = make_logits(5), draw_uniforms(1, 0, B, S, 6)
-    whole = vocab_parallel_draws(logits, uniforms, proposal_temperature=1.5)
-    blocked = vocab_parallel_draws(logits, uniforms, proposal_temperature=1.5, block_bytes=24 * B * V * 2)
-    assert all(torch.equal(a, b) for a, b in zip(whole, blocked))                      # blocks of 2, 2 and 1
+def test_uniforms_of_a_block_of_positions_are_the_whole_streams():
+    whole = draw_uniforms(1, 3, B, S, 6)
+    for first, count in ((0, 2), (2, 1), (3, S - 3)):
+        block = draw_uniforms(1, 4, 1, count, 6, first_position=first)              # sample 4, positions [first, ..)
+        assert torch.equal(block, whole[first:first + count, 1:2])
 
 
 def test_uniforms_depend_only_on_seed_and_sample_index():

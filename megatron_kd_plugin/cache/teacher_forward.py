@@ -1,7 +1,10 @@
-"""A megatron-core GPT teacher as the cache writer's ``LogitsFn``, on any TP × PP × EP × DP layout, forward only.
+"""A megatron-core GPT teacher as the cache writer's ``TeacherFn``, on any TP × PP × EP × DP layout, forward only.
 
-``TeacherForward(chunks, vocab_size=V, ...)(tokens [b, s])`` gives this rank's logits ``[s, b, V_pad/tp]`` (on
-the last pipeline stage; None on the others). Beyond a plain forward it does what real teachers need:
+``TeacherForward(chunks, vocab_size=V, ...)(tokens [b, s])`` gives this rank's ``teacher_head.TeacherHidden`` (on
+the last pipeline stage; None on the others): the final hidden states ``[s, b, H]`` and the lm_head shard
+``[V_pad/tp, H]``, taken through GPTModel's ``output_processor`` hook before the output layer runs, so the logits
+are formed only block by block by the fused head (``teacher_head.py``). Beyond a plain forward it does what real
+teachers need:
 
 - Pipeline parallelism: the batch runs as b pipeline micro-batches of one sample. A stage receives each
   micro-batch's hidden states ``[s, 1, h]`` from the previous stage (megatron-core's ``P2PCommunicator``),
@@ -9,15 +12,15 @@ the last pipeline stage; None on the others). Beyond a plain forward it does wha
   stage i+1 works on j−1, so the pipeline fills once per batch (bubble (pp−1)/(b+pp−1)). megatron-core's
   schedules are not used: they allocate on "cuda" and drive backward passes.
 - The padded vocabulary: Megatron pads the output layer to a multiple of ``make_vocab_size_divisible_by`` × TP;
-  logits of ids >= ``vocab_size`` (the teacher's true size) are set to −inf on the TP shard that holds them, so
-  they never enter a top-K, a draw or the logsumexp.
+  the head sets logits of ids >= ``vocab_size`` (the teacher's true size) to −inf on the TP shard that holds them
+  (``teacher_head.mask_padded_vocab``), so they never enter a top-K, a draw or the logsumexp.
 - Expert parallelism in lock step: a MoE layer exchanges tokens between its EP ranks at every forward (the
   allgather dispatcher even needs equal shapes), while those ranks cache different data and may own a
   different number of batches. With ``lockstep`` every batch is padded to ``micro_batch_size`` samples (the pad
   rows' outputs are dropped), and before each forward all ranks all-reduce (MAX) whether any of them still has
   a batch: a rank that has none (in :meth:`finish`) runs a dummy forward alongside, until none has.
 
-Shapes: tokens int64 ``[b, s]``; logits ``[s, b, V_pad/tp]`` (megatron's ``[s, b]`` order).
+Shapes: tokens int64 ``[b, s]``; hidden states ``[s, b, H]`` (megatron's ``[s, b]`` order).
 """
 
 from __future__ import annotations
@@ -25,15 +28,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd_plugin.cache.teacher_head import TeacherHidden
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Sets logits of ids >= ``vocab_size`` to −inf in place; ``logits [..., V_p]`` is TP rank ``tp_rank``'s shard
-    (global ids ``[tp_rank·V_p, (tp_rank+1)·V_p)``). Returns ``logits``."""
-    vocab_local = logits.shape[-1]
-    first_padded = vocab_size - tp_rank * vocab_local       # local index of the first padded id
-    if first_padded < vocab_local:
-        logits[..., max(first_padded, 0):] = float("-inf")
-    return logits
+
+def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_):
+    """GPTModel ``output_processor``: (final hidden states ``[s, b, H]``, lm_head shard ``[V/tp, H]``, the model's
+    logit scaling) instead of the logits; sequence-parallel hidden states are gathered (forward only)."""
+    if getattr(output_layer, "bias", None) is not None:
+        raise ValueError("the teacher's output layer has a bias: the fused head forms X·Wᵀ only")
+    if getattr(output_layer, "sequence_parallel", False):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(hidden_states)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    return hidden_states, weight, scale_logits
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +53,7 @@ def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TeacherForward:
-    """This rank's part of a teacher forward (see the module docstring); call it like a ``LogitsFn``.
+    """This rank's part of a teacher forward (see the module docstring); call it like a ``TeacherFn``.
 
     ``chunks``: the rank's model chunks (one; virtual pipeline stages are not supported), in eval mode.
     ``vocab_size``: the teacher's true vocabulary. ``tp_rank``: this rank's tensor-parallel rank.
@@ -61,6 +69,10 @@ class TeacherForward:
         if len(chunks) != 1:
             raise ValueError(f"{len(chunks)} model chunks: virtual pipeline stages are not supported")
         self.model = chunks[0]
+        from megatron.core.transformer.module import Float16Module
+
+        self.half_precision = isinstance(self.model, Float16Module)
+        self.weight = self.scale_logits = None      # the last stage's lm_head shard and logit scaling (``_stage``)
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
         self.lockstep, self.micro_batch_size, self.seq_length = lockstep, micro_batch_size, seq_length
         self.pipeline = None
@@ -73,8 +85,8 @@ class TeacherForward:
     def is_last_stage(self) -> bool:
         return self.pipeline is None or self.pipeline.is_pp_last_stage
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[s, b, V_pad/tp]`` of tokens ``[b, s]`` on the last stage, None on the others."""
+    def __call__(self, tokens: torch.Tensor) -> TeacherHidden | None:
+        """The head's inputs of tokens ``[b, s]`` on the last stage, None on the others."""
         b = tokens.shape[0]
         if self.lockstep:
             self._anyone_busy(True)
@@ -83,21 +95,27 @@ class TeacherForward:
         return self._forward(tokens, b)
 
     @torch.no_grad()
-    def _forward(self, tokens: torch.Tensor, b: int) -> torch.Tensor | None:
-        """The logits of the first ``b`` samples of ``tokens`` (last stage; None on the others)."""
+    def _forward(self, tokens: torch.Tensor, b: int) -> TeacherHidden | None:
+        """The head's inputs of the first ``b`` samples of ``tokens`` (last stage; None on the others)."""
         device = next(self.model.parameters()).device
-        logits = self._pipeline_forward(tokens.to(device)) if self.pipeline else self._stage(tokens.to(device))
-        if logits is None:
+        hidden = self._pipeline_forward(tokens.to(device)) if self.pipeline else self._stage(tokens.to(device))
+        if hidden is None:
             return None
-        return mask_padded_vocab(logits[:, :b], self.vocab_size, self.tp_rank)
+        return TeacherHidden(hidden=hidden[:, :b], weight=self.weight, vocab_size=self.vocab_size,
+                             tp_rank=self.tp_rank, scale_logits=self.scale_logits)
 
     def _stage(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's output for tokens ``[b, s]``: hidden states ``[s, b, h]``, or logits ``[s, b, V_pad/tp]``
-        on the last stage; ``hidden`` is the previous stage's output (None on the first stage)."""
+        """This stage's output for tokens ``[b, s]``: hidden states ``[s, b, h]`` (on the last stage the final ones,
+        after the final norm; its lm_head shard and logit scaling kept in ``weight``, ``scale_logits``); ``hidden``
+        is the previous stage's output (None on the first stage)."""
         if hidden is not None:
             self.model.set_input_tensor(hidden)
-        output = self.model(tokens, *causal_inputs(tokens))
-        return output.transpose(0, 1) if self.is_last_stage else output          # GPTModel gives [b, s, V/tp]
+        if not self.is_last_stage:
+            return self.model(tokens, *causal_inputs(tokens))
+        half = {"fp32_output": False} if self.half_precision else {}     # a bf16 head, as the output layer's GEMM
+        output, self.weight, self.scale_logits = self.model(tokens, *causal_inputs(tokens),
+                                                            output_processor=head_inputs, **half)
+        return output
 
     def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Every sample of ``tokens [b, s]`` through the pipeline as its own micro-batch (see the module docstring)."""

@@ -1,4 +1,6 @@
-"""Writes a teacher top-K store (format: ``format.py``) from a token source and a teacher's logits.
+"""Writes a teacher top-K store (format: ``format.py``) from a token source and a teacher: its final hidden states and
+lm_head shard, turned into the store kind's rows block by block by the fused head (``teacher_head.py``), or logits a
+synthetic teacher formed.
 
 Parallelism: every rank of a tensor-parallel group runs the teacher on the same micro-batch and gets the same
 top-K (``topk.py``) or the same draws (``draws.py``, uniforms from (sample_seed, sample index)); only its TP rank
@@ -53,9 +55,11 @@ from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.store.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_label_logprobs
+from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, TeacherOutput, head_rows, teacher_output
 
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
-"""tokens int64 ``[b, s]`` -> this rank's vocab-parallel teacher logits ``[s, b, V/tp]``."""
+TeacherFn = Callable[[torch.Tensor], "TeacherOutput | torch.Tensor | None"]
+"""tokens int64 ``[b, s]`` -> this rank's teacher output: a ``teacher_head.TeacherHidden`` (hidden states and lm_head
+shard), or vocab-parallel logits ``[s, b, V/tp]``; None on pipeline stages before the last."""
 
 
 @dataclass(kw_only=True)
@@ -69,7 +73,7 @@ class WriteStats:
     tokens: int = 0
     """Tokens this rank computed."""
     forward_seconds: float = 0.0
-    """Wall time inside the teacher forward (``logits_fn``)."""
+    """Wall time inside the teacher forward (``teacher_fn``)."""
     total_seconds: float = 0.0
     """Wall time of the whole shard loop (forward, top-K, sort, compression, writes)."""
 
@@ -249,23 +253,36 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
                          f"teacher's vocabulary [0, {vocab_size}): data tokenized for another vocabulary?")
 
 
-def teacher_rows(logits: torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
-                 labels: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of logits ``[s, b, V/tp]``
-    whose first sample is ``first_sample``: the rows of the store's kind (``kinds.StoreKind.teacher_rows``) and, for
-    a cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
-    rows, finite = spec.kind.teacher_rows(logits, spec, first_sample=first_sample, tp_group=tp_group)
-    if spec.cross_tokenizer:
-        rows[fmt.REALISED_LOGPROB] = vocab_parallel_label_logprobs(logits, labels, rows[fmt.LOGSUMEXP],
-                                                                   temperature=spec.temperature,
-                                                                   tp_group=tp_group)
-    return rows, finite
+def teacher_rows(output: TeacherOutput | torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
+                 labels: torch.Tensor | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of teacher output (a
+    ``teacher_head.TeacherOutput`` or logits ``[s, b, V/tp]``) whose first sample is ``first_sample``, through the fused
+    head in blocks of ``chunk_bytes``: the rows of the store's kind (``kinds.StoreKind.teacher_rows``) and, for a
+    cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
+    kind = spec.kind
+
+    def block_rows(logits, block):
+        rows, finite = kind.teacher_rows(logits, spec, block=block, tp_group=tp_group)
+        if spec.cross_tokenizer:
+            p, n = logits.shape[:2]
+            sample = block.first_sample - first_sample
+            block_labels = labels[block.first_position:block.first_position + p, sample:sample + n]
+            rows[fmt.REALISED_LOGPROB] = vocab_parallel_label_logprobs(logits, block_labels, rows[fmt.LOGSUMEXP],
+                                                                       temperature=spec.temperature,
+                                                                       tp_group=tp_group)
+        return rows, finite
+
+    return head_rows(teacher_output(output), block_rows, first_sample=first_sample,
+                     work_bytes_per_logit=kind.work_bytes_per_logit, chunk_bytes=chunk_bytes)
 
 
-def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec, *, first_sample: int,
-                  micro_batch_size: int, tp_group, stats: WriteStats) -> dict[str, np.ndarray]:
+def compute_shard(windows: np.ndarray, teacher_fn: TeacherFn, spec: fmt.CacheSpec, *, first_sample: int,
+                  micro_batch_size: int, tp_group, stats: WriteStats, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                  ) -> dict[str, np.ndarray]:
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
-    place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes)."""
+    place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); ``chunk_bytes``: the
+    fused head's block budget (:func:`teacher_rows`)."""
     names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS)]
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     out: dict[str, np.ndarray] = {}
@@ -274,13 +291,15 @@ def compute_shard(windows: np.ndarray, logits_fn: LogitsFn, spec: fmt.CacheSpec,
         batch = tokens[start:start + micro_batch_size, :-1]                     # [b, s]
         begin = time.perf_counter()
         with torch.no_grad():
-            logits = logits_fn(batch)                                            # [s, b, V/tp]
+            output = teacher_fn(batch)                                           # hidden [s, b, H] + lm_head shard
         stats.forward_seconds += time.perf_counter() - begin
-        if logits is None:          # a pipeline stage before the last: it holds no logits and writes nothing
+        if output is None:          # a pipeline stage before the last: it holds no logits and writes nothing
             stats.tokens += batch.numel()
             continue
-        rows, finite = teacher_rows(logits, spec, first_sample=first_sample + start, tp_group=tp_group,
-                                    labels=tokens[start:start + micro_batch_size, 1:].t())
+        with torch.no_grad():
+            rows, finite = teacher_rows(output, spec, first_sample=first_sample + start, tp_group=tp_group,
+                                        labels=tokens[start:start + micro_batch_size, 1:].t(),
+                                        chunk_bytes=chunk_bytes)
         if not bool(finite.all()):
             position, row = (~finite).nonzero()[0].tolist()
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
@@ -375,9 +394,9 @@ def _preparer(dp_rank: int) -> bool:
     return dp_ranks.index(dp_rank) == rank
 
 
-def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, logits_fn: LogitsFn, *,
+def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, teacher_fn: TeacherFn, *,
                   micro_batch_size: int, tp_group, dp_size: int, shards: range, progress: bool,
-                  on_shard_written: Callable[[int], None]) -> WriteStats:
+                  on_shard_written: Callable[[int], None], chunk_bytes: int) -> WriteStats:
     """Computes the shards of ``shards`` not yet written and, on TP rank 0 of the last pipeline stage, writes them."""
     group = fmt.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
@@ -405,8 +424,9 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
     try:
         for shard in todo:
             begin, end = spec.shard_range(shard)
-            arrays = compute_shard(source.windows(begin, end), logits_fn, spec, first_sample=begin,
-                                   micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats)
+            arrays = compute_shard(source.windows(begin, end), teacher_fn, spec, first_sample=begin,
+                                   micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats,
+                                   chunk_bytes=chunk_bytes)
             if in_flight is not None:
                 in_flight[0].result()
                 written(in_flight[1])
@@ -440,23 +460,24 @@ def refuse_while_written(output) -> None:
     _agreed(lambda: lock_file.is_file() and WriterLock(output).exclusive().release())
 
 
-def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vocab_size: int, teacher: str,
+def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, vocab_size: int, teacher: str,
                 temperature: float = 1.0, logprob_codec: str | None = None,
                 samples_per_shard: int | None = None, store_logsumexp: bool = False, micro_batch_size: int = 1,
                 mode: str = "topk", proposal_temperature: float = 1.0, sample_seed: int = 0, overwrite: bool = False,
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 on_shard_written: Callable[[int], None] = lambda shards_written: None,
-                vocab_table=None, **kind_fields) -> WriteStats:
+                vocab_table=None, head_chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kind_fields) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
     ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and
     ``min_k`` for a top-p store, ``head`` for a head + draws store).
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
-    store: it also holds the byte table and each token's realised log-prob (``format.py``).
+    store: it also holds the byte table and each token's realised log-prob (``format.py``). ``head_chunk_bytes``: the
+    fused head's block budget (``teacher_head.py``; the rows do not depend on it).
 
-    ``logits_fn`` runs the teacher (see :data:`LogitsFn`); ``tp_group`` is its tensor-parallel group (None: no
+    ``teacher_fn`` runs the teacher (see :data:`TeacherFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
     nothing. ``repair``: check every written shard and rewrite the damaged ones (see the module docstring).
     ``after_shards`` runs on every rank after its last shard, before the closing barrier (e.g. the dummy forwards that
@@ -487,9 +508,9 @@ def write_cache(source: TokenWindows, logits_fn: LogitsFn, output, *, k: int, vo
         shards = owned_shards(spec.num_shards, dp_rank, dp_size)
         preparer = _preparer(dp_rank)
         _agreed(lambda: preparer and prepare_shards(output, spec, shards, repair), everywhere=True)
-        stats = _write_shards(output, spec, source, logits_fn, micro_batch_size=micro_batch_size,
+        stats = _write_shards(output, spec, source, teacher_fn, micro_batch_size=micro_batch_size,
                               tp_group=tp_group, dp_size=dp_size, shards=shards, progress=progress,
-                              on_shard_written=on_shard_written)
+                              on_shard_written=on_shard_written, chunk_bytes=head_chunk_bytes)
         if after_shards is not None:
             after_shards()
         _barrier()

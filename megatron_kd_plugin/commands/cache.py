@@ -54,6 +54,7 @@ from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.store import storage
 from megatron_kd_plugin.cache.kinds import store_kind
+from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, block_shape, row_bytes
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,6 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="HF teacher parameter dtype (auto: the checkpoint's on a GPU, float32 without CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
+    p.add_argument("--head-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="byte budget of one block of the fused teacher head: the block's V/tp logits and the store "
+                        f"kind's work buffers (default {DEFAULT_CHUNK_BYTES}); the rows do not depend on it")
     p.add_argument("--samples-per-shard", type=int, default=None,
                    help="samples per shard file, the unit a writer owns and a kill redoes (default: 2^20 tokens a "
                         "shard, i.e. 2^20 / --seq-length samples; docs/cache.md 'At scale')")
@@ -292,6 +296,7 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
             chunks = [model]
         for chunk in chunks:
             chunk.eval()
+        check_head_chunk(args, chunks[0])
         teacher = TeacherForward(chunks, vocab_size=vocab_size,
                                  tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                  pp_group=parallel_state.get_pipeline_model_parallel_group(),
@@ -311,13 +316,26 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
             progress=not args.no_progress, after_shards=teacher.finish, on_shard_written=on_shard_written,
-            vocab_table=vocab_table)
+            vocab_table=vocab_table, head_chunk_bytes=args.head_chunk_bytes)
         if teacher.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             report(args, source, stats)
     finally:
         parallel_state.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
+
+
+def check_head_chunk(args, model) -> None:
+    """ValueError, in one line naming ``--head-chunk-bytes``, when one token row of the fused head (this rank's V/tp
+    logits and the store kind's work buffers) does not fit it; before anything is written."""
+    gpt = getattr(model, "module", model)                                 # GPTModel, or inside a Float16Module
+    needed = row_bytes(gpt.vocab_size // args.tp, gpt.config.params_dtype.itemsize,
+                       store_kind(args).work_bytes_per_logit)
+    try:
+        block_shape((1, 1), needed, args.head_chunk_bytes)
+    except ValueError as exc:
+        raise ValueError(f"--head-chunk-bytes={args.head_chunk_bytes}: {exc}".replace(
+            f"chunk_bytes={args.head_chunk_bytes} is ", "")) from None
 
 
 def cross_tokenizer_table(args, tokenizer: str | None, vocab_size: int):

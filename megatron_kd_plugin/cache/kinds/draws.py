@@ -55,10 +55,17 @@ class TeacherDraws(NamedTuple):
     finite: torch.Tensor
 
 
-def draw_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: int, n: int) -> torch.Tensor:
-    """float64 ``[seq_length, num_samples, n]`` in [0, 1): sample i's from ``numpy.random.default_rng([seed, i])``."""
-    return torch.from_numpy(np.stack([np.random.default_rng([seed, first_sample + i]).random((seq_length, n))
-                                      for i in range(num_samples)], axis=1))
+def draw_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: int, n: int, *,
+                  first_position: int = 0) -> torch.Tensor:
+    """float64 ``[seq_length, num_samples, n]`` in [0, 1): sample i's from ``numpy.random.default_rng([seed, i])``,
+    positions ``first_position`` .. ``first_position + seq_length − 1`` of its stream (n per position; a block of
+    positions skips the stream's earlier ones: PCG64 draws one 64-bit word per double, ``advance`` jumps them)."""
+    def positions(sample: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, sample])
+        rng.bit_generator.advance(first_position * n)
+        return rng.random((seq_length, n))
+
+    return torch.from_numpy(np.stack([positions(first_sample + i) for i in range(num_samples)], axis=1))
 
 
 def draw_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None,
@@ -81,29 +88,6 @@ def last_index(mask: torch.Tensor) -> torch.Tensor:
     return mask.shape[-1] - 1 - mask.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
 
 
-def vocab_parallel_draws(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
-                          proposal_temperature: float = 1.0, tp_group=None,
-                          block_bytes: int = 2**30) -> TeacherDraws:
-    """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
-
-    ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
-    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1. The work
-    buffers (~13 bytes per logit: the tempered logits, exponentiated in place, in float32 and their float64 CDF)
-    are bounded by ``block_bytes``: blocks of positions are done in turn (every rank has the same [s, b], so the
-    collectives stay matched), with the same result.
-    """
-    if temperature <= 0 or proposal_temperature <= 0:
-        raise ValueError(f"temperature={temperature} and proposal_temperature={proposal_temperature} must be > 0")
-    if uniforms.shape[:-1] != logits.shape[:-1]:
-        raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
-    rows = max(1, block_bytes // (13 * logits[0].numel()))                     # positions per block
-    if logits.shape[0] > rows:
-        blocks = [_draw_block(logits[i:i + rows], uniforms[i:i + rows], temperature, proposal_temperature,
-                                tp_group) for i in range(0, logits.shape[0], rows)]
-        return TeacherDraws(*(torch.cat(parts) for parts in zip(*blocks)))
-    return _draw_block(logits, uniforms, temperature, proposal_temperature, tp_group)
-
-
 def shard_offsets(ends: torch.Tensor) -> torch.Tensor:
     """O_r, the mass of the shards before shard r, from ``ends`` [..., tp] (O_r + T_r): the ends shifted by one, the
     very sums the owner search compares u · ΣT with, so the owner's local target u · ΣT − O_r is never below 0
@@ -112,9 +96,19 @@ def shard_offsets(ends: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(ends[..., :1]), ends[..., :-1]], dim=-1)
 
 
-def _draw_block(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, proposal_temperature: float,
-                  tp_group) -> TeacherDraws:
-    """:func:`vocab_parallel_draws` on one block of positions."""
+def vocab_parallel_draws(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0,
+                          proposal_temperature: float = 1.0, tp_group=None) -> TeacherDraws:
+    """N draws per token from q ∝ p^(1/t) given vocab-parallel logits ``[s, b, V/tp]`` (module docstring).
+
+    ``temperature`` is the cache temperature τ_c, ``proposal_temperature`` t; ``uniforms`` ``[s, b, N]`` in
+    [0, 1) must be the same on every TP rank. No communication with ``tp_group`` None or of size 1. The work
+    buffers are ~13 bytes per logit (the tempered logits, exponentiated in place, in float32 and their float64 CDF):
+    the fused head (``teacher_head.py``) bounds them by handing blocks of tokens.
+    """
+    if temperature <= 0 or proposal_temperature <= 0:
+        raise ValueError(f"temperature={temperature} and proposal_temperature={proposal_temperature} must be > 0")
+    if uniforms.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"uniforms {tuple(uniforms.shape)} do not match the logits' tokens {tuple(logits.shape[:-1])}")
     tp = group_size(tp_group)
     vocab_local = logits.shape[-1]
     z = logits.float() / temperature                                             # [s, b, V/tp] float32, a copy

@@ -31,6 +31,7 @@ class DrawsStore(StoreKind):
     grid_codec = False
     exact_slots = False
     teacher_type = SampledTeacher
+    work_bytes_per_logit = 13           # the float32 tempered logits (exponentiated in place), their float64 CDF, a mask
 
     def holds(self, spec) -> bool:
         return spec.mode == self.mode
@@ -45,9 +46,10 @@ class DrawsStore(StoreKind):
         """G per token only when t != 1 (else G = 0)."""
         return (PROPOSAL_LOGNORM,) if spec.proposal_temperature != 1.0 else ()
 
-    def teacher_rows(self, logits, spec, *, first_sample, tp_group):
-        s, b = logits.shape[:2]
-        draw = vocab_parallel_draws(logits, draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k),
+    def teacher_rows(self, logits, spec, *, block, tp_group):
+        p, n = logits.shape[:2]
+        uniforms = draw_uniforms(spec.sample_seed, block.first_sample, n, p, spec.k, first_position=block.first_position)
+        draw = vocab_parallel_draws(logits, uniforms,
                                     temperature=spec.temperature, proposal_temperature=spec.proposal_temperature,
                                     tp_group=tp_group)
         rows = {IDS: draw.ids, LOGPROBS: draw.logprobs, LOGSUMEXP: draw.logsumexp}

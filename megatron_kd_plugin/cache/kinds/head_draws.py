@@ -53,23 +53,20 @@ class HeadDraws(NamedTuple):
 
 
 def vocab_parallel_head_draws(logits: torch.Tensor, uniforms: torch.Tensor, head: int, *, temperature: float = 1.0,
-                              tp_group=None, block_bytes: int = 2**30) -> HeadDraws:
+                              tp_group=None) -> HeadDraws:
     """The head + draws rows of vocab-parallel logits ``[s, b, V/tp]`` (module docstring); ``uniforms``
-    ``[s, b, N]`` in [0, 1), the same on every TP rank. The head-masked copy of the logits is made ``block_bytes``
-    of positions at a time."""
+    ``[s, b, N]`` in [0, 1), the same on every TP rank. Work buffers: a head-masked float32 copy of the logits,
+    then the draws' (the fused head, ``teacher_head.py``, bounds them by handing blocks of tokens)."""
     top = vocab_parallel_topk(logits, head, temperature=temperature, tp_group=tp_group)
     rank = dist.get_rank(tp_group) if group_size(tp_group) > 1 else 0
     vocab_local = logits.shape[-1]
     local = top.ids - rank * vocab_local                                         # [s, b, H] this shard's columns
     in_shard = (local >= 0) & (local < vocab_local)
-    rows = max(1, block_bytes // (4 * logits[0].numel()))
-    parts = []
-    for i in range(0, logits.shape[0], rows):
-        masked = logits[i:i + rows].float().clone()                             # [r, b, V/tp]
-        drop = torch.where(in_shard[i:i + rows], -torch.inf, torch.inf)          # min(z, -inf) at the head's ids
-        masked.scatter_reduce_(-1, local[i:i + rows].clamp(0, vocab_local - 1), drop, reduce="amin")
-        parts.append(vocab_parallel_draws(masked, uniforms[i:i + rows], temperature=temperature, tp_group=tp_group))
-    draws = type(parts[0])(*(torch.cat(fields) for fields in zip(*parts)))
+    masked = logits.float().clone()                                              # [s, b, V/tp]
+    drop = torch.where(in_shard, -torch.inf, torch.inf)                          # min(z, -inf) at the head's ids
+    masked.scatter_reduce_(-1, local.clamp(0, vocab_local - 1), drop, reduce="amin")
+    draws = vocab_parallel_draws(masked, uniforms, temperature=temperature, tp_group=tp_group)
+    del masked
     tail_log_mass = draws.logsumexp.double() - top.logsumexp.double()            # [s, b] log(1 - m)
     draw_logprobs = (draws.logprobs.double() + tail_log_mass.unsqueeze(-1)).float()
     head_ids, order = top.ids.sort(dim=-1)

@@ -17,6 +17,7 @@ class HeadDrawsStore(DrawsStore):
     name = "head + draws"
     fields = DrawsStore.fields | {"head": 0}
     described_fields = ("head",)
+    work_bytes_per_logit = 4 + DrawsStore.work_bytes_per_logit      # the head-masked float32 copy, then the draws'
 
     def holds(self, spec) -> bool:
         return bool(getattr(spec, "head", 0))
@@ -33,9 +34,10 @@ class HeadDrawsStore(DrawsStore):
     def token_arrays(self, spec):
         return ()
 
-    def teacher_rows(self, logits, spec, *, first_sample, tp_group):
-        s, b = logits.shape[:2]
-        uniforms = draw_uniforms(spec.sample_seed, first_sample, b, s, spec.k - spec.head)
+    def teacher_rows(self, logits, spec, *, block, tp_group):
+        p, n = logits.shape[:2]
+        uniforms = draw_uniforms(spec.sample_seed, block.first_sample, n, p, spec.k - spec.head,
+                                 first_position=block.first_position)
         rows = vocab_parallel_head_draws(logits, uniforms, spec.head, temperature=spec.temperature,
                                          tp_group=tp_group)
         return {IDS: rows.ids, LOGPROBS: rows.logprobs, LOGSUMEXP: rows.logsumexp}, rows.finite

@@ -3,7 +3,8 @@ writer, the reader, ``inspect`` and the cache command learn what a store holds p
 
 A kind owns, for its stores: which :class:`~megatron_kd_plugin.cache.store.format.CacheSpec` fields it sets and checks
 (``fields``, ``check``), the arrays it adds (``token_arrays``), its log-prob codec (``default_codec``,
-``grid_codec``), how a shard's rows are computed from the teacher's vocab-parallel logits (``teacher_rows``), how a
+``grid_codec``), how a block of tokens' rows are computed from the teacher's vocab-parallel logits (``teacher_rows``, fed
+block by block by the fused head, ``teacher_head.py``) and what work buffers that takes (``work_bytes_per_logit``), how a
 row read back becomes the loss's typed teacher (``teacher``) and which loss tails fit it (``check_tail``), and its
 ``inspect`` lines (``describe``, ``statistics``). It never imports the store's schema (``format.py`` imports the
 registry), only the array names.
@@ -45,6 +46,9 @@ class StoreKind(abc.ABC):
     """Whether its slots are the teacher's most probable ids (a cross-tokenizer student's token term reads them)."""
     teacher_type: type
     """The loss's typed teacher its rows carry (``loss.TopKTeacher`` or ``loss.SampledTeacher``)."""
+    work_bytes_per_logit: int
+    """Peak bytes of :meth:`teacher_rows`' work buffers per logit of its block, beside the logits (the head's block
+    budget and ``plan`` count them)."""
 
     @abc.abstractmethod
     def holds(self, spec) -> bool:
@@ -62,11 +66,12 @@ class StoreKind(abc.ABC):
         return ()
 
     @abc.abstractmethod
-    def teacher_rows(self, logits: torch.Tensor, spec, *, first_sample: int, tp_group
+    def teacher_rows(self, logits: torch.Tensor, spec, *, block, tp_group
                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of a micro-batch of vocab-parallel logits
-        ``[s, b, V/tp]`` whose first sample is ``first_sample``: the ids (sorted as ``format.py`` says), their
-        log-probs, the full-vocab logsumexp ``[s, b]`` and :meth:`token_arrays`."""
+        """({array name: ``[p, n, ...]`` rows}, finite ``[p, n]``) of a block of vocab-parallel logits ``[p, n, V/tp]``
+        (``block``: a ``teacher_head.TokenBlock``, where its first token lies): the ids (sorted as ``format.py``
+        says), their log-probs, the full-vocab logsumexp ``[p, n]`` and :meth:`token_arrays`. Per token: a block's
+        rows are the rows of the same tokens of any larger block."""
 
     def weights(self, spec, rows: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The slots' importance weights ``[..., K]`` computed from its stored ``rows`` (decoded log-probs and

@@ -34,6 +34,7 @@ class TopKStore(StoreKind):
     grid_codec = True
     exact_slots = True
     teacher_type = TopKTeacher
+    work_bytes_per_logit = 4            # the float32 (tempered) copy; torch.topk's and the LSE's buffers are per token
 
     def holds(self, spec) -> bool:
         return spec.mode == self.mode
@@ -46,7 +47,7 @@ class TopKStore(StoreKind):
         """bool ``[..., K]``: which ranked slots (log-prob descending) a row keeps, the rest padding; None: all."""
         return None
 
-    def teacher_rows(self, logits, spec, *, first_sample, tp_group):
+    def teacher_rows(self, logits, spec, *, block, tp_group):
         top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
         ids, logprobs = top.ids, top.logprobs                                    # [s, b, K] rank order
         keep = self.kept(spec, logprobs)
