@@ -74,9 +74,33 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
         chunks[0].eval()
         forward = TeacherForward(chunks, vocab_size=provider.vocab_size,
                                  tp_rank=parallel_state.get_tensor_model_parallel_rank())
-        out[name] = forward(tokens)
+        head = forward(tokens)                                                  # hidden states + lm_head shard
+        out[name] = head.logits(slice(None), slice(None))                       # today's logits, formed whole
+        out[f"{name} kinds"] = _kinds_blockwise_vs_whole(head, out[name], parallel_state)
         out[f"{name} padded vocab"] = padded_vocab_size(provider)
         parallel_state.destroy_model_parallel()
+    return out
+
+
+def _kinds_blockwise_vs_whole(head, logits: torch.Tensor, parallel_state) -> dict:
+    """{kind: (ids identical, largest |difference| of the float rows)}: every store kind's rows from the fused head in
+    blocks of 3 token rows against the same kind on the whole logits ``[s, b, V/tp]`` (tests/test_teacher_head.py's
+    kinds), on this rank's TP group."""
+    from megatron_kd_plugin.cache.store.array_names import IDS
+    from megatron_kd_plugin.cache.store.format import CacheSpec
+    from megatron_kd_plugin.cache.writer import teacher_rows
+    from tests.test_teacher_head import SPECS
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    labels = torch.randint(0, 1000, logits.shape[:2], generator=torch.Generator().manual_seed(1))
+    out = {}
+    for kind, fields in SPECS.items():
+        spec = CacheSpec(vocab_size=head.vocab_size, seq_length=S, num_samples=2, **fields)
+        whole, _ = teacher_rows(logits, spec, first_sample=0, tp_group=group, labels=labels)
+        row = (head.logit_bytes + spec.kind.work_bytes_per_logit) * head.vocab_local
+        fused, _ = teacher_rows(head, spec, first_sample=0, tp_group=group, labels=labels, chunk_bytes=3 * row)
+        out[kind] = (torch.equal(fused[IDS], whole[IDS]),
+                     max(float((fused[name] - whole[name]).abs().max()) for name in fused if name != IDS))
     return out
 
 
@@ -135,6 +159,14 @@ def test_megatron_teacher_logits_equal_transformers_dense_tp2_and_moe_ep2(stores
     for name, got in (("dense", dense[..., :1000]), ("moe", logits["moe"][0]), ("moe", logits["moe"][1])):
         ref = hf_logits(teachers[name], tokens).transpose(0, 1)                       # [s, b, V] float64
         torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=0)
+
+
+def test_every_kind_from_the_fused_head_equals_the_whole_logits_dense_tp2_and_moe_ep2(stores):
+    *_, logits, _ = stores
+    for name in ("dense kinds", "moe kinds"):
+        for rank, kinds in enumerate(logits[name]):
+            for kind, (same_ids, largest) in kinds.items():
+                assert same_ids and largest < 2e-6, (name, rank, kind, largest)
 
 
 def _reference_topk(folder, tokens: torch.Tensor):

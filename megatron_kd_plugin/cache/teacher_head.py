@@ -135,17 +135,23 @@ RowsFn = Callable[[torch.Tensor, TokenBlock], tuple[dict[str, torch.Tensor], tor
 
 
 def head_rows(output: TeacherOutput, rows_fn: RowsFn, *, first_sample: int, work_bytes_per_logit: int,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: tuple[tuple[int, int, int], ...] | None = None
+              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({name: ``[s, b, ...]``}, finite ``[s, b]``): ``rows_fn`` on every block of the micro-batch ``output`` whose
     first sample is ``first_sample`` (module docstring); the blocks' rows written into the whole's.
-    ``work_bytes_per_logit``: the kind's work buffers per logit, beside the logits themselves."""
+    ``work_bytes_per_logit``: the kind's work buffers per logit, beside the logits themselves. ``spans``: ((row,
+    position, length), ...) when ``output``'s s rows are runs of a longer window (a context-parallel slice,
+    ``context_parallel.rank_chunks``): rows [row, row + length) hold positions [position, position + length), and no
+    block straddles two runs; default: row i is position i."""
     s, b = output.tokens
     p, n = block_shape((s, b), row_bytes(output.vocab_local, output.logit_bytes, work_bytes_per_logit), chunk_bytes)
     rows: dict[str, torch.Tensor] = {}
     finite = None
-    for position in range(0, s, p):
+    blocks = [(row + offset, position + offset, min(p, length - offset))
+              for row, position, length in (spans or ((0, 0, s),)) for offset in range(0, length, p)]
+    for row, position, count in blocks:
         for sample in range(0, b, n):
-            where = (slice(position, position + p), slice(sample, sample + n))
+            where = (slice(row, row + count), slice(sample, sample + n))
             part, part_finite = rows_fn(output.logits(*where), TokenBlock(first_sample + sample, position))
             if finite is None:
                 rows = {name: values.new_empty((s, b) + values.shape[2:]) for name, values in part.items()}

@@ -55,6 +55,7 @@ from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.store.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_label_logprobs
+from megatron_kd_plugin.cache.context_parallel import check_cp_seq_length, cp_size_of, gather_rows, rank_chunks
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, TeacherOutput, head_rows, teacher_output
 
 TeacherFn = Callable[[torch.Tensor], "TeacherOutput | torch.Tensor | None"]
@@ -254,13 +255,18 @@ def check_vocab(source: TokenWindows, vocab_size: int) -> None:
 
 
 def teacher_rows(output: TeacherOutput | torch.Tensor, spec: fmt.CacheSpec, *, first_sample: int, tp_group,
-                 labels: torch.Tensor | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                 labels: torch.Tensor | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, cp_group=None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({array name: ``[s, b, ...]`` rows}, finite ``[s, b]``) of one micro-batch of teacher output (a
     ``teacher_head.TeacherOutput`` or logits ``[s, b, V/tp]``) whose first sample is ``first_sample``, through the fused
     head in blocks of ``chunk_bytes``: the rows of the store's kind (``kinds.StoreKind.teacher_rows``) and, for a
-    cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``."""
+    cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``. With a
+    ``cp_group`` of size > 1, ``output`` is this CP rank's slice ``[s/cp, b]`` (``context_parallel.py``): its rows are
+    computed there and reassembled in position order on every rank."""
     kind = spec.kind
+    cp = cp_size_of(cp_group)
+    output = teacher_output(output)
+    spans = rank_chunks(output.tokens[0] * cp, cp, dist.get_rank(cp_group) if cp > 1 else 0)
 
     def block_rows(logits, block):
         rows, finite = kind.teacher_rows(logits, spec, block=block, tp_group=tp_group)
@@ -273,16 +279,18 @@ def teacher_rows(output: TeacherOutput | torch.Tensor, spec: fmt.CacheSpec, *, f
                                                                        tp_group=tp_group)
         return rows, finite
 
-    return head_rows(teacher_output(output), block_rows, first_sample=first_sample,
-                     work_bytes_per_logit=kind.work_bytes_per_logit, chunk_bytes=chunk_bytes)
+    rows, finite = head_rows(output, block_rows, first_sample=first_sample,
+                             work_bytes_per_logit=kind.work_bytes_per_logit, chunk_bytes=chunk_bytes, spans=spans)
+    return gather_rows(rows, finite, cp_group)
 
 
 def compute_shard(windows: np.ndarray, teacher_fn: TeacherFn, spec: fmt.CacheSpec, *, first_sample: int,
-                  micro_batch_size: int, tp_group, stats: WriteStats, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                  ) -> dict[str, np.ndarray]:
+                  micro_batch_size: int, tp_group, stats: WriteStats, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  cp_group=None) -> dict[str, np.ndarray]:
     """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
     place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); ``chunk_bytes``: the
-    fused head's block budget (:func:`teacher_rows`)."""
+    fused head's block budget (:func:`teacher_rows`); ``cp_group``: the teacher's context-parallel group (``teacher_fn``
+    gives this rank's slice, the rows are whole on every rank)."""
     names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS)]
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     out: dict[str, np.ndarray] = {}
@@ -299,7 +307,7 @@ def compute_shard(windows: np.ndarray, teacher_fn: TeacherFn, spec: fmt.CacheSpe
         with torch.no_grad():
             rows, finite = teacher_rows(output, spec, first_sample=first_sample + start, tp_group=tp_group,
                                         labels=tokens[start:start + micro_batch_size, 1:].t(),
-                                        chunk_bytes=chunk_bytes)
+                                        chunk_bytes=chunk_bytes, cp_group=cp_group)
         if not bool(finite.all()):
             position, row = (~finite).nonzero()[0].tolist()
             raise ValueError(f"the teacher's logits are not finite (NaN/inf) for sample {first_sample + start + row}"
@@ -396,11 +404,12 @@ def _preparer(dp_rank: int) -> bool:
 
 def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, teacher_fn: TeacherFn, *,
                   micro_batch_size: int, tp_group, dp_size: int, shards: range, progress: bool,
-                  on_shard_written: Callable[[int], None], chunk_bytes: int) -> WriteStats:
-    """Computes the shards of ``shards`` not yet written and, on TP rank 0 of the last pipeline stage, writes them."""
+                  on_shard_written: Callable[[int], None], chunk_bytes: int, cp_group) -> WriteStats:
+    """Computes the shards of ``shards`` not yet written and, on TP and CP rank 0 of the last pipeline stage, writes
+    them."""
     group = fmt.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    writes = tp_rank == 0
+    writes = tp_rank == 0 and (cp_size_of(cp_group) == 1 or dist.get_rank(cp_group) == 0)
     stats = WriteStats()
     written = set(fmt.ShardFiles(output, group, spec).written(shards))
     todo = [shard for shard in shards if shard not in written]
@@ -426,7 +435,7 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
             begin, end = spec.shard_range(shard)
             arrays = compute_shard(source.windows(begin, end), teacher_fn, spec, first_sample=begin,
                                    micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats,
-                                   chunk_bytes=chunk_bytes)
+                                   chunk_bytes=chunk_bytes, cp_group=cp_group)
             if in_flight is not None:
                 in_flight[0].result()
                 written(in_flight[1])
@@ -467,7 +476,8 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
                 repair: bool = False, tp_group=None, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, after_shards: Callable[[], None] | None = None,
                 on_shard_written: Callable[[int], None] = lambda shards_written: None,
-                vocab_table=None, head_chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kind_fields) -> WriteStats:
+                vocab_table=None, head_chunk_bytes: int = DEFAULT_CHUNK_BYTES, cp_group=None,
+                **kind_fields) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
@@ -475,7 +485,8 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
     ``min_k`` for a top-p store, ``head`` for a head + draws store).
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
     store: it also holds the byte table and each token's realised log-prob (``format.py``). ``head_chunk_bytes``: the
-    fused head's block budget (``teacher_head.py``; the rows do not depend on it).
+    fused head's block budget (``teacher_head.py``; the rows do not depend on it). ``cp_group``: the teacher's
+    context-parallel group (``context_parallel.py``; ``teacher_fn`` gives each CP rank its slice).
 
     ``teacher_fn`` runs the teacher (see :data:`TeacherFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write
@@ -489,6 +500,7 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
     run writes the store; OSError naming ``output`` when it cannot be created or the disk fills. """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    check_cp_seq_length(source.seq_length, cp_size_of(cp_group))
     output = fmt.store_location(output)
     share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
@@ -510,7 +522,7 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
         _agreed(lambda: preparer and prepare_shards(output, spec, shards, repair), everywhere=True)
         stats = _write_shards(output, spec, source, teacher_fn, micro_batch_size=micro_batch_size,
                               tp_group=tp_group, dp_size=dp_size, shards=shards, progress=progress,
-                              on_shard_written=on_shard_written, chunk_bytes=head_chunk_bytes)
+                              on_shard_written=on_shard_written, chunk_bytes=head_chunk_bytes, cp_group=cp_group)
         if after_shards is not None:
             after_shards()
         _barrier()
