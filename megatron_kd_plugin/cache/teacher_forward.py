@@ -14,6 +14,9 @@ teachers need:
 - The padded vocabulary: Megatron pads the output layer to a multiple of ``make_vocab_size_divisible_by`` × TP;
   the head sets logits of ids >= ``vocab_size`` (the teacher's true size) to −inf on the TP shard that holds them
   (``teacher_head.mask_padded_vocab``), so they never enter a top-K, a draw or the logsumexp.
+- Context parallelism (``cp_group`` of size cp > 1): each CP rank runs its load-balanced slice of every window
+  (``context_parallel.py``: tokens and position ids sliced as megatron-core slices a batch, the causal mask left to
+  Transformer Engine's attention, which alone runs CP) and hands its slice's hidden states ``[s/cp, b, H]``.
 - Expert parallelism in lock step: a MoE layer exchanges tokens between its EP ranks at every forward (the
   allgather dispatcher even needs equal shapes), while those ranks cache different data and may own a
   different number of batches. With ``lockstep`` every batch is padded to ``micro_batch_size`` samples (the pad
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd_plugin.cache.context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
 
 
@@ -63,7 +67,7 @@ class TeacherForward:
     """
 
     def __init__(self, chunks, *, vocab_size: int, tp_rank: int = 0, pp_group=None, lockstep: bool = False,
-                 micro_batch_size: int = 1, seq_length: int | None = None):
+                 micro_batch_size: int = 1, seq_length: int | None = None, cp_group=None):
         if lockstep and seq_length is None:
             raise ValueError("lockstep needs the seq_length of the dummy forwards")
         if len(chunks) != 1:
@@ -76,6 +80,7 @@ class TeacherForward:
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
         self.lockstep, self.micro_batch_size, self.seq_length = lockstep, micro_batch_size, seq_length
         self.pipeline = None
+        self.cp_group = cp_group if cp_size_of(cp_group) > 1 else None
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -110,17 +115,25 @@ class TeacherForward:
         is the previous stage's output (None on the first stage)."""
         if hidden is not None:
             self.model.set_input_tensor(hidden)
+        inputs = self._inputs(tokens)
         if not self.is_last_stage:
-            return self.model(tokens, *causal_inputs(tokens))
+            return self.model(*inputs)
         half = {"fp32_output": False} if self.half_precision else {}     # a bf16 head, as the output layer's GEMM
-        output, self.weight, self.scale_logits = self.model(tokens, *causal_inputs(tokens),
-                                                            output_processor=head_inputs, **half)
+        output, self.weight, self.scale_logits = self.model(*inputs, output_processor=head_inputs, **half)
         return output
+
+    def _inputs(self, tokens: torch.Tensor) -> tuple:
+        """(tokens, position ids, attention mask) of the model call: this CP rank's slice under CP (no mask: the
+        attention's own causal mask), else the whole window."""
+        position_ids, mask = causal_inputs(tokens)
+        if self.cp_group is None:
+            return tokens, position_ids, mask
+        return slice_tokens(tokens, self.cp_group), slice_tokens(position_ids, self.cp_group), None
 
     def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Every sample of ``tokens [b, s]`` through the pipeline as its own micro-batch (see the module docstring)."""
         pipeline, config = self.pipeline, self.model.config
-        shape = (tokens.shape[1], 1, config.hidden_size)                              # [s, 1, h]
+        shape = (tokens.shape[1] // cp_size_of(self.cp_group), 1, config.hidden_size)   # [s/cp, 1, h]
         outputs = []
         for sample in tokens.split(1):
             hidden = None if pipeline.is_pp_first_stage else pipeline.recv_forward(shape, is_first_stage=False)

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.store import storage
+from megatron_kd_plugin.cache.context_parallel import check_cp_seq_length
 from megatron_kd_plugin.cache.kinds import store_kind
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, block_shape, row_bytes
 
@@ -94,6 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="cache temperature")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (HF teachers)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (HF teachers on GPU, Transformer Engine "
+                   "attention): each rank runs a load-balanced 1/cp of every window; 2 x --cp must divide --seq-length")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE HF teachers)")
     p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE HF teachers; default: 1 "
                    "where the experts have biases, e.g. gpt-oss, else --tp); --etp x --ep x --pp must divide the world")
@@ -160,22 +163,23 @@ def check_top_p(args) -> None:
         raise ValueError(f"--min-k={args.min_k}: expected 1 <= M <= --topk={args.slots} (the cap)")
 
 
-def check_world(world: int, *, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
-    """ValueError unless ``world`` ranks split as megatron-core splits them: TP x PP x DP for attention and
+def check_world(world: int, *, tp: int, pp: int, ep: int, etp: int | None = None, cp: int = 1) -> None:
+    """ValueError unless ``world`` ranks split as megatron-core splits them: TP x CP x PP x DP for attention and
     ETP x EP x PP x expert-DP for the experts (``etp`` None: TP, megatron's default)."""
     etp = tp if etp is None else etp
-    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp)):
+    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp), ("--cp", cp)):
         if size < 1:
             raise ValueError(f"{flag}={size}: expected >= 1")
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of --tp x --pp = {tp} x {pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of --tp x --pp = {tp} x {pp}" if cp == 1 else
+                         f"world size {world} is not a multiple of --tp x --cp x --pp = {tp} x {cp} x {pp}")
     if world % (etp * ep * pp):
         hint = "; --etp 1 folds the experts over the TP ranks" if etp > 1 and world % (ep * pp) == 0 else ""
         raise ValueError(f"world size {world} is not a multiple of --etp x --ep x --pp = {etp} x {ep} x {pp} (the "
                          f"experts' grid: expert TP x EP x PP x expert data parallel{hint})")
 
 
-def init_distributed(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None) -> bool:
+def init_distributed(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1) -> bool:
     """Process group from torchrun's environment (a single process without it), unless one exists; then megatron's
     parallel_state with these sizes (:func:`check_world` them first; ``etp`` None: TP, megatron's default). True when
     this call created the group."""
@@ -196,7 +200,8 @@ def init_distributed(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None) 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                             context_parallel_size=cp)
     return created
 
 
@@ -244,6 +249,7 @@ def hf_teacher(args):
     provider = hf_model_provider(args.teacher, tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                  expert_parallel=args.ep, expert_tensor_parallel=args.etp, dtype=dtype,
                                  inference=True)
+    provider.context_parallel_size = args.cp
     longest = config.get("max_position_embeddings")
     if longest and args.seq_length > longest:
         raise ValueError(f"--seq-length={args.seq_length} exceeds the teacher's max_position_embeddings={longest}")
@@ -270,6 +276,7 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
                          "Face checkpoint folder takes --pp)")
+    check_cp(args, kind, cuda=torch.cuda.is_available())
     if kind != "hf" and (args.ep != 1 or args.etp is not None):
         flag = f"--ep={args.ep}" if args.ep != 1 else f"--etp={args.etp}"
         raise ValueError(f"{flag}: expert parallelism needs a MoE Hugging Face teacher")
@@ -278,10 +285,10 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
         provider, vocab_size, identity, tokenizer = hf_teacher(args)
         etp = provider.expert_tensor_parallel_size            # the provider and parallel_state: the same sizes
     check_world(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")),
-                tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+                tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp)
     source = open_source(args.data, args.seq_length, tokenizer=tokenizer, num_samples=args.num_samples,
                          text_key=args.text_key)
-    created = init_distributed(args.tp, args.pp, args.ep, etp)
+    created = init_distributed(args.tp, args.pp, args.ep, etp, args.cp)
     try:
         share_summary(source)              # one pass over the data, on rank 0 only
         if kind == "hf":
@@ -301,7 +308,7 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
                                  tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                  pp_group=parallel_state.get_pipeline_model_parallel_group(),
                                  lockstep=args.ep > 1, micro_batch_size=args.micro_batch_size,
-                                 seq_length=args.seq_length)
+                                 seq_length=args.seq_length, cp_group=parallel_state.get_context_parallel_group())
         dp_rank = parallel_state.get_data_parallel_rank()
         vocab_table = cross_tokenizer_table(args, tokenizer, vocab_size) if args.cross_tokenizer else None
         stats = write_cache(
@@ -316,13 +323,29 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             dp_rank=dp_rank, dp_size=parallel_state.get_data_parallel_world_size(),
             progress=not args.no_progress, after_shards=teacher.finish, on_shard_written=on_shard_written,
-            vocab_table=vocab_table, head_chunk_bytes=args.head_chunk_bytes)
+            vocab_table=vocab_table, head_chunk_bytes=args.head_chunk_bytes,
+            cp_group=parallel_state.get_context_parallel_group())
         if teacher.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             report(args, source, stats)
     finally:
         parallel_state.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
+
+
+def check_cp(args, kind: str, *, cuda: bool) -> None:
+    """ValueError, in one line, for a ``--cp`` the run cannot take: 2·cp must divide the window; only a Hugging Face
+    teacher (through Megatron-Bridge, whose provider takes the CP size) and only on CUDA, where Transformer Engine's
+    attention runs context parallelism (megatron-core's local attention refuses it)."""
+    if args.cp == 1:
+        return
+    check_cp_seq_length(args.seq_length, args.cp)
+    if kind != "hf":
+        raise ValueError(f"--cp={args.cp}: context parallelism needs a Hugging Face teacher (a {kind} teacher has no "
+                         "context-parallel attention)")
+    if not cuda:
+        raise ValueError(f"--cp={args.cp}: context-parallel attention needs Transformer Engine on CUDA; without a "
+                         "GPU run with --cp 1")
 
 
 def check_head_chunk(args, model) -> None:
