@@ -37,8 +37,17 @@ from tests.hf_models import hf_logits, save_mxfp4_copy, save_tiny_causal_lm
 
 S, K, NUM_SAMPLES, VOCAB = 16, 16, 4, 512
 GPT_OSS_VOCAB = 201_088
-COMMON = ["--seq-length", str(S), "--topk", str(K), "--num-samples", str(NUM_SAMPLES), "--samples-per-shard", "1",
-          "--micro-batch-size", "2", "--logprob-codec", "fp32", "--no-progress"]
+COMMON = ["--seq-length", str(S), "--num-samples", str(NUM_SAMPLES), "--samples-per-shard", "1",
+          "--micro-batch-size", "2", "--logprob-codec", "fp32", "--no-progress",
+          "--head-chunk-bytes", str(5 * 17 * VOCAB)]     # the fused head in blocks of ~5 token rows (V/tp=512 or less)
+TOPK = ["--topk", str(K)]
+KIND_FLAGS = {       # every other store kind: its flags (top-K is every store's TOPK)
+    "top_p": ["--topk", str(K), "--top-p", "0.8", "--min-k", "2"],
+    "draws": ["--draws", "12", "--proposal-temperature", "1.3", "--draw-seed", "5"],
+    "head_draws": ["--head", "4", "--draws", "12", "--draw-seed", "6"],
+}
+KIND_FAMILY = "gpt_oss"
+"""The family whose every layout also writes every other kind (``KIND_FLAGS``)."""
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "cache.md"
 
 DENSE_LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
@@ -58,7 +67,10 @@ ON_FOUR = {          # store: (family, flags) on 4 ranks; "docs" is filled from 
 }
 STORES = {f"{family}_{layout}": family for family, (_, layouts) in FAMILIES.items() for layout in layouts}
 STORES.update({name: family for name, (family, _) in ON_FOUR.items()})
-"""Every store the matrix writes: {store name: the family (teacher) it is of}."""
+"""Every top-K store the matrix writes: {store name: the family (teacher) it is of}."""
+KIND_STORES = {f"{KIND_FAMILY}_{layout}_{kind}": (layout, kind) for layout in FAMILIES[KIND_FAMILY][1]
+               for kind in KIND_FLAGS}
+"""Every other kind's store: {store name: (layout, kind)}."""
 REFUSED = {          # name: (family, flags, world, fragment of the one-line error)
     "gpt-oss at expert TP 2": ("gpt_oss", ["--tp", "2", "--ep", "2", "--etp", "2"], 2,
                                "expert_tensor_parallel=2: the model's experts have biases"),
@@ -109,8 +121,8 @@ def _cache_main_on_every_rank(runs: dict) -> dict:
     return results
 
 
-def _argv(teacher, data, output, flags) -> list[str]:
-    return ["--teacher", str(teacher), "--data", data, "--output", str(output), *COMMON, *flags]
+def _argv(teacher, data, output, flags, kind_flags=TOPK) -> list[str]:
+    return ["--teacher", str(teacher), "--data", data, "--output", str(output), *COMMON, *kind_flags, *flags]
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +138,14 @@ def matrix(tiny_hf_qwen3_moe, tiny_hf_gpt_oss, tmp_path_factory):
     big = _indexed_data(str(work / "big"), 1 << 17, GPT_OSS_VOCAB, 1)              # ids above 2^17
     two = {f"{family}_{layout}": _argv(teachers[family], small, work / f"{family}_{layout}.zarr", flags)
            for family, (_, layouts) in FAMILIES.items() for layout, flags in layouts.items()}
+    two.update({name: _argv(teachers[KIND_FAMILY], small, work / f"{name}.zarr", FAMILIES[KIND_FAMILY][1][layout],
+                            KIND_FLAGS[kind]) for name, (layout, kind) in KIND_STORES.items()})
     two.update({name: _argv(teachers[family], small, work / "refused.zarr", flags)
                 for name, (family, flags, world, _) in REFUSED.items() if world == 2})
     four = {name: _argv(teachers[family], big if family == "gpt_oss_big" else small, work / f"{name}.zarr",
-                        docs_gpt_oss_flags() if flags is None else flags)
-            for name, (family, flags) in ON_FOUR.items()}
+                        docs_gpt_oss_flags() if flags is None else flags,
+                        TOPK + (["--head-chunk-bytes", str(2**24)] if family == "gpt_oss_big" else []))
+            for name, (family, flags) in ON_FOUR.items()}                # 201,088 ids: blocks of ~8 token rows
     results = run_on_ranks(2, _cache_main_on_every_rank, two, tp=1, timeout=900)
     results += run_on_ranks(4, _cache_main_on_every_rank, four, tp=1, timeout=900)
     return work, teachers, {name: [rank[name] for rank in results if name in rank] for name in {**two, **four}}
@@ -165,7 +180,7 @@ def _check_store(store, folder, architecture: str, vocab: int) -> float:
 
 def test_every_run_of_the_matrix_succeeds_on_every_rank(matrix):
     _, _, results = matrix
-    for name in STORES:
+    for name in [*STORES, *KIND_STORES]:
         assert results[name], name
         for code, stderr in results[name]:
             assert code == 0, f"{name}: exit {code}: {stderr.strip()}"
@@ -186,6 +201,32 @@ def test_every_store_holds_transformers_topk_at_every_layout(matrix, family):
     print(f"{family}: max |log-prob - transformers float64| per store: {worst}")
     for name, value in worst.items():
         assert value < 5e-5, (name, value)                      # fp32 codec: float32 compute error only
+
+
+@pytest.mark.parametrize("kind", list(KIND_FLAGS))
+def test_every_kind_at_every_layout_holds_its_rows_of_transformers_logits(matrix, kind):
+    """Each kind's store at each layout against the kind's rows of transformers' float64 logits (rounded to float32,
+    the same seed's draws) and against its TP=1 store."""
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS
+    from megatron_kd_plugin.cache.writer import teacher_rows
+
+    work, teachers, _ = matrix
+    readers = {layout: TopKCacheReader(work / f"{name}.zarr") for name, (layout, of) in KIND_STORES.items()
+               if of == kind}
+    first = readers["tp1"]
+    tokens = torch.stack([first[i].tokens[:-1] for i in range(NUM_SAMPLES)]).long()              # [n, S]
+    logits = hf_logits(teachers[KIND_FAMILY], tokens).transpose(0, 1).float()                    # [S, n, V]
+    want, _ = teacher_rows(logits, first.spec, first_sample=0, tp_group=None)
+    clear = _reference(teachers[KIND_FAMILY], tokens)[1]                          # [n, S] no tie at the K-th id
+    for layout, reader in readers.items():
+        for i in range(NUM_SAMPLES):
+            row, one = reader[i].teacher, first[i].teacher
+            assert torch.equal(row.ids, one.ids), (kind, layout, i)                                # = TP=1 store
+            torch.testing.assert_close(row.logprobs, one.logprobs, rtol=0, atol=5e-5)
+            where = clear[i] if kind == "top_p" else slice(None)
+            assert torch.equal(row.ids.long()[where], want[IDS][:, i][where]), (kind, layout, i)
+            torch.testing.assert_close(row.logprobs[where], want[LOGPROBS][:, i][where], rtol=0, atol=5e-5)
 
 
 def test_combinations_a_model_cannot_take_get_one_line_and_exit_2_before_it_loads(matrix):
