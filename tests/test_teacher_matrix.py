@@ -17,6 +17,9 @@ size, every layout in it) on a Megatron indexed dataset of random ids, ``--logpr
 - world 4: the docs' gpt-oss-120b command (``--tp 2 --ep 4``, read from docs/cache.md; expert TP 1, which gpt-oss's
   expert biases need) on a gpt-oss of the real vocabulary, 201,088 ids, on data whose ids lie above 2^17; and
   TP=2 x EP=2 at megatron-core's default expert TP (= TP = 2) for the MoE families without expert biases;
+- every other store kind (top-p, draws at proposal temperature 1.3, head + draws) at every 2-rank layout of gpt-oss,
+  each against the kind's rows of transformers' logits and against its TP=1 store; the fused teacher head
+  (``cache/teacher_head.py``) runs in blocks of a few token rows throughout (``--head-chunk-bytes``);
 - the refusals of combinations a model cannot take: one ``error:`` line, exit code 2, before the teacher loads.
 """
 
