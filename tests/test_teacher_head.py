@@ -92,3 +92,12 @@ def test_a_budget_below_one_token_row_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^chunk_bytes=100 is below one token row of the teacher's head \(384 bytes"):
         teacher_rows(TeacherHidden(hidden=hidden, weight=weight, vocab_size=VOCAB), spec, first_sample=0,
                      tp_group=None, chunk_bytes=100)
+
+
+def test_the_benchmark_sees_the_whole_heads_logits_and_not_the_fused_heads():
+    from megatron_kd_plugin.cache.head_benchmark import compare, format_row
+
+    result = compare(tokens=2048, hidden=16, vocab=16384, k=8, chunk_bytes=2**22)
+    logits = 2048 * 16384 * 4                                                        # 128 MiB of fp32 logits
+    assert result["whole"]["peak_bytes"] >= logits > 8 * result["fused"]["peak_bytes"]
+    assert format_row(result, 16384).startswith("| 2K | 1 | ")

@@ -3,8 +3,8 @@
 Both heads get the same final hidden states ``[T, 1, H]`` and lm_head shard ``[V/tp, H]`` (random, fp32 on CPU) and
 write the same store kind's rows (``writer.teacher_rows``): the fused head block by block (``teacher_head.py``), the
 whole head from the ``[T, V/tp]`` logits of one GEMM (what the output layer formed before). Each case runs in a fresh
-process per rank (gloo for TP > 1), so its peak RSS is its own: the figure is the peak RSS above the RSS with the
-inputs allocated. Also timed, after the peak is read: the bare GEMM that forms the logits (in blocks of 4,096 tokens),
+process per rank (gloo for TP > 1): the figure is the peak RSS (VmHWM, reset once the inputs are allocated) above the
+RSS at that point. Also timed, after the peak is read: the bare GEMM that forms the logits (in blocks of 4,096 tokens),
 so the head's time reads as an overhead over the output layer of a plain teacher forward.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import time
 
@@ -26,8 +25,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Resets the kernel's peak RSS of this process (VmHWM) to its current RSS (Linux ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _case(rank: int, tp: int, port: int, head: str, tokens: int, hidden: int, vocab: int, k: int,
@@ -49,6 +55,7 @@ def _case(rank: int, tp: int, port: int, head: str, tokens: int, hidden: int, vo
     if tp > 1:
         dist.barrier()
     base = _rss_bytes()
+    _reset_peak_rss()                              # the imports' peak is not the head's
     begin = time.perf_counter()
     if head == "fused":
         teacher_rows(TeacherHidden(hidden=x, weight=w, vocab_size=vocab, tp_rank=rank), spec, first_sample=0,
