@@ -101,3 +101,18 @@ def test_the_benchmark_sees_the_whole_heads_logits_and_not_the_fused_heads():
     logits = 2048 * 16384 * 4                                                        # 128 MiB of fp32 logits
     assert result["whole"]["peak_bytes"] >= logits > 8 * result["fused"]["peak_bytes"]
     assert format_row(result, 16384).startswith("| 2K | 1 | ")
+
+
+def test_the_cache_command_refuses_a_head_budget_below_one_row_before_writing():
+    import argparse
+    import types
+
+    from megatron_kd_plugin.commands.cache import check_head_chunk
+
+    model = types.SimpleNamespace(vocab_size=PADDED, config=types.SimpleNamespace(params_dtype=torch.bfloat16))
+    args = argparse.Namespace(tp=2, head_chunk_bytes=100, mode="topk", top_p=None, head=0)
+    with pytest.raises(ValueError, match=r"^--head-chunk-bytes=100: below one token row of the teacher's head "
+                                         r"\(144 bytes"):                  # 24 ids x (2 bytes + top-K's 4)
+        check_head_chunk(args, model)
+    args.head_chunk_bytes = 144
+    check_head_chunk(args, model)
