@@ -6,7 +6,7 @@ backslash are one line) or one of the ``tools/`` entry points that are a command
 of that command's parser (megatron_kd_plugin.commands.reference.parsers), each recipe name (``--recipe NAME`` and
 any ``*_h200_bf16_config`` / ``*_cpu_fp32_config`` in the text) a key of the recipe registry, and each override
 (``section.field=value``) a field of the config section it names. No model is built. docs/reference/commands.md
-must be what the generator writes today.
+must be what the generator writes today, and every relative link must reach its file and heading.
 """
 
 from __future__ import annotations
@@ -163,3 +163,34 @@ def test_command_reference_is_current():
     """docs/reference/commands.md is what `python -m megatron_kd_plugin.commands.reference` writes now."""
     assert COMMANDS_PAGE.read_text() == reference.markdown(), (
         "regenerate: python -m megatron_kd_plugin.commands.reference > docs/reference/commands.md")
+
+
+def heading_anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a page's headings (lower case, punctuation dropped, spaces as hyphens)."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in FENCE.sub("", page.read_text()).splitlines() if re.match(r"#+ ", line)}
+
+
+def link_problems(page: pathlib.Path) -> list[str]:
+    """Relative Markdown links of a page whose file or heading does not exist."""
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
+            problems.append(f"{target}: no such heading")
+    return problems
+
+
+@pytest.mark.parametrize("page", doc_files(), ids=lambda page: str(page.relative_to(REPO_ROOT)))
+def test_doc_links_resolve(page):
+    assert link_problems(page) == []
+
+
+def test_broken_link_is_caught(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n[ok](#a-page) [gone](b.md) [moved](a.md#no-such-part)\n")
+    assert link_problems(tmp_path / "a.md") == ["b.md: no such file", "a.md#no-such-part: no such heading"]
