@@ -3,7 +3,7 @@
 Read from README.md, CONTRIBUTING.md and docs/**/*.md: the code in fenced blocks and inline code spans; a command
 line is ``... -m megatron_kd_plugin COMMAND ...`` (``python -m``, ``torchrun ... -m``; lines continued with a
 backslash are one line) or one of the ``tools/`` entry points that are a command. Each ``--flag`` must be an option
-of that command's parser (megatron_kd_plugin.commands.reference.parsers), each recipe name (``--recipe NAME`` and
+of that command's parser (megatron_kd_plugin.command_reference.parsers), each recipe name (``--recipe NAME`` and
 any ``*_h200_bf16_config`` / ``*_cpu_fp32_config`` in the text) a key of the recipe registry, and each override
 (``section.field=value``) a field of the config section it names. No model is built. docs/reference/commands.md
 must be what the generator writes today, and every relative link must reach its file and heading.
@@ -21,7 +21,7 @@ import typing
 
 import pytest
 
-from megatron_kd_plugin.commands import reference
+from megatron_kd_plugin import command_reference as reference
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMANDS_PAGE = REPO_ROOT / "docs" / "reference" / "commands.md"
@@ -160,9 +160,9 @@ def test_drift_is_caught():
 
 
 def test_command_reference_is_current():
-    """docs/reference/commands.md is what `python -m megatron_kd_plugin.commands.reference` writes now."""
+    """docs/reference/commands.md is what `python -m megatron_kd_plugin.command_reference` writes now."""
     assert COMMANDS_PAGE.read_text() == reference.markdown(), (
-        "regenerate: python -m megatron_kd_plugin.commands.reference > docs/reference/commands.md")
+        "regenerate: python -m megatron_kd_plugin.command_reference > docs/reference/commands.md")
 
 
 def heading_anchors(page: pathlib.Path) -> set[str]:

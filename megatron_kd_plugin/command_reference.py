@@ -1,6 +1,6 @@
 """Every command's options as Markdown, written from the commands' own argparse parsers (docs/reference/commands.md).
 
-    python -m megatron_kd_plugin.commands.reference > docs/reference/commands.md
+    python -m megatron_kd_plugin.command_reference > docs/reference/commands.md
 
 ``parsers()`` gives each command line's parser without running the command: each command builds its parser in its
 ``main`` (or ``parse_args``), so ``main`` is called with ``parse_args`` replaced by one that hands the parser back
@@ -89,7 +89,7 @@ def section(name: str, parser: argparse.ArgumentParser) -> str:
 
 def markdown() -> str:
     head = ["# Command reference", "",
-            "Generated from the commands' argparse parsers by `python -m megatron_kd_plugin.commands.reference "
+            "Generated from the commands' argparse parsers by `python -m megatron_kd_plugin.command_reference "
             "> docs/reference/commands.md`; tests/test_docs.py fails when this page is not current. "
             "`python -m megatron_kd_plugin COMMAND --help` prints the same with each command's full description.",
             ""]
