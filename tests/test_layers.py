@@ -26,6 +26,7 @@ LAYERS = (
     {"recipes"},
     {"commands"},
     {"demo", "__main__"},
+    {"command_reference"},   # docs: reads every command's parser
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 STORE_INTERFACE = "megatron_kd_plugin.cache"   # the one thing of cache's that bridge may import from

@@ -14,7 +14,7 @@ size, every layout in it) on a Megatron indexed dataset of random ids, ``--logpr
 ``transformers``' float64 top-K ids and their log-probs:
 - world 2: TP=1 (DP=2), TP=2, PP=2; MoE also EP=2 (DP=2) and TP=2 x EP=2 (expert TP 1, the experts folded over
   the two TP ranks);
-- world 4: the docs' gpt-oss-120b command (``--tp 2 --ep 4``, read from docs/cache.md; expert TP 1, which gpt-oss's
+- world 4: the docs' gpt-oss-120b command (``--tp 2 --ep 4``, read from docs/caching.md; expert TP 1, which gpt-oss's
   expert biases need) on a gpt-oss of the real vocabulary, 201,088 ids, on data whose ids lie above 2^17; and
   TP=2 x EP=2 at megatron-core's default expert TP (= TP = 2) for the MoE families without expert biases;
 - every other store kind (top-p, draws at proposal temperature 1.3, head + draws) at every 2-rank layout of gpt-oss,
@@ -51,7 +51,7 @@ KIND_FLAGS = {       # every other store kind: its flags (top-K is every store's
 }
 KIND_FAMILY = "gpt_oss"
 """The family whose every layout also writes every other kind (``KIND_FLAGS``)."""
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "cache.md"
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "caching.md"
 
 DENSE_LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
 MOE_LAYOUTS = {**DENSE_LAYOUTS, "ep2": ["--ep", "2"], "tp2_ep2": ["--tp", "2", "--ep", "2", "--etp", "1"]}
@@ -63,7 +63,7 @@ FAMILIES = {         # family: (architecture, layouts on 2 ranks)
     "qwen3_moe": ("Qwen3MoeForCausalLM", {name: MOE_LAYOUTS[name] for name in ("pp2", "tp2_ep2")}),
     "gpt_oss_mxfp4": ("GptOssForCausalLM", {"tp2_ep2": ["--tp", "2", "--ep", "2"]}),   # experts as released: MXFP4
 }
-ON_FOUR = {          # store: (family, flags) on 4 ranks; "docs" is filled from docs/cache.md
+ON_FOUR = {          # store: (family, flags) on 4 ranks; "docs" is filled from docs/caching.md
     "gpt_oss_big_docs": ("gpt_oss_big", None),
     "glm4_moe_tp2_ep2_etp2": ("glm4_moe", ["--tp", "2", "--ep", "2"]),
     "deepseek_v3_tp2_ep2_etp2": ("deepseek_v3", ["--tp", "2", "--ep", "2"]),
@@ -86,11 +86,11 @@ REFUSED = {          # name: (family, flags, world, fragment of the one-line err
 
 
 def docs_gpt_oss_flags() -> list[str]:
-    """The parallel flags of docs/cache.md's gpt-oss-120b ``cache`` command (``--tp``, ``--pp``, ``--ep``, ``--etp``,
+    """The parallel flags of docs/caching.md's gpt-oss-120b ``cache`` command (``--tp``, ``--pp``, ``--ep``, ``--etp``,
     ``--micro-batch-size``): what the test runs at tiny size."""
     text = DOCS.read_text()
     match = re.search(r"^torchrun [^\n]*--teacher /ckpt/gpt-oss-120b(?:[^\n]*\\\n)*[^\n]*$", text, re.MULTILINE)
-    assert match, "docs/cache.md has no gpt-oss-120b cache command"
+    assert match, "docs/caching.md has no gpt-oss-120b cache command"
     words = shlex.split(match.group(0).replace("\\\n", " "))
     keep = ("--tp", "--pp", "--ep", "--etp", "--micro-batch-size")
     return [word for i, word in enumerate(words) if word in keep or (i and words[i - 1] in keep)]

@@ -22,7 +22,7 @@ Five rooms, each a subpackage with one job, and the writer that joins them:
 
 ``writer.py`` is the resumable (DP x TP x CP) writer, ``teacher_forward.py`` the teacher's forward under TP x PP x EP x
 CP, ``teacher_head.py`` the fused head that turns its hidden states into a kind's rows block by block (no [T, V/tp]
-logits), ``context_parallel.py`` the teacher's CP slicing and the rows' reassembly. The
+logits), ``teacher_context_parallel.py`` the teacher's CP slicing and the rows' reassembly. The
 commands that drive them (``cache``, ``inspect``, ``copy``) are in ``megatron_kd_plugin.commands``.
 
 The names below are the interface the layers above (``bridge``, the commands) read stores through.

@@ -15,7 +15,7 @@ teachers need:
   the head sets logits of ids >= ``vocab_size`` (the teacher's true size) to −inf on the TP shard that holds them
   (``teacher_head.mask_padded_vocab``), so they never enter a top-K, a draw or the logsumexp.
 - Context parallelism (``cp_group`` of size cp > 1): each CP rank runs its load-balanced slice of every window
-  (``context_parallel.py``: tokens and position ids sliced as megatron-core slices a batch, the causal mask left to
+  (``teacher_context_parallel.py``: tokens and position ids sliced as megatron-core slices a batch, the causal mask left to
   Transformer Engine's attention, which alone runs CP) and hands its slice's hidden states ``[s/cp, b, H]``.
 - Expert parallelism in lock step: a MoE layer exchanges tokens between its EP ranks at every forward (the
   allgather dispatcher even needs equal shapes), while those ranks cache different data and may own a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_kd_plugin.cache.context_parallel import cp_size_of, slice_tokens
+from megatron_kd_plugin.cache.teacher_context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
 
 

@@ -55,7 +55,7 @@ from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
 from megatron_kd_plugin.cache.store.records import SampleReader, shard_records
 from megatron_kd_plugin.cache.sources.token_windows import TokenWindows
 from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_label_logprobs
-from megatron_kd_plugin.cache.context_parallel import check_cp_seq_length, cp_size_of, gather_rows, rank_chunks
+from megatron_kd_plugin.cache.teacher_context_parallel import check_cp_seq_length, cp_size_of, gather_rows, rank_chunks
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, TeacherOutput, head_rows, teacher_output
 
 TeacherFn = Callable[[torch.Tensor], "TeacherOutput | torch.Tensor | None"]
@@ -261,7 +261,7 @@ def teacher_rows(output: TeacherOutput | torch.Tensor, spec: fmt.CacheSpec, *, f
     ``teacher_head.TeacherOutput`` or logits ``[s, b, V/tp]``) whose first sample is ``first_sample``, through the fused
     head in blocks of ``chunk_bytes``: the rows of the store's kind (``kinds.StoreKind.teacher_rows``) and, for a
     cross-tokenizer store, the log-prob of each token's realised next token ``labels`` ``[s, b]``. With a
-    ``cp_group`` of size > 1, ``output`` is this CP rank's slice ``[s/cp, b]`` (``context_parallel.py``): its rows are
+    ``cp_group`` of size > 1, ``output`` is this CP rank's slice ``[s/cp, b]`` (``teacher_context_parallel.py``): its rows are
     computed there and reassembled in position order on every rank."""
     kind = spec.kind
     cp = cp_size_of(cp_group)
@@ -486,7 +486,7 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
     ``vocab_table`` (the teacher tokenizer's ``token_bytes.TokenBytes``, ``vocab_size`` ids) makes a cross-tokenizer
     store: it also holds the byte table and each token's realised log-prob (``format.py``). ``head_chunk_bytes``: the
     fused head's block budget (``teacher_head.py``; the rows do not depend on it). ``cp_group``: the teacher's
-    context-parallel group (``context_parallel.py``; ``teacher_fn`` gives each CP rank its slice).
+    context-parallel group (``teacher_context_parallel.py``; ``teacher_fn`` gives each CP rank its slice).
 
     ``teacher_fn`` runs the teacher (see :data:`TeacherFn`); ``tp_group`` is its tensor-parallel group (None: no
     TP); it may return None on ranks that hold no logits (pipeline stages before the last), which then write

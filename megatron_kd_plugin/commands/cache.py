@@ -53,7 +53,7 @@ import torch.distributed as dist
 from megatron_kd_plugin.cache import TopKCacheReader
 from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.store import storage
-from megatron_kd_plugin.cache.context_parallel import check_cp_seq_length
+from megatron_kd_plugin.cache.teacher_context_parallel import check_cp_seq_length
 from megatron_kd_plugin.cache.kinds import store_kind
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, block_shape, row_bytes
 
