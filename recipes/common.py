@@ -62,7 +62,7 @@ def kd_hf_student_config(hf_path: str, *, cache_path: str, run_name: str, seq_le
     exported as a HF folder (``checkpoint.also_save_hf_checkpoint``, templated on the student's own files).
 
     A heal: pure KD (``kd.alpha`` 1), forward KL at tau 1 with the ``renorm`` tail. Measured on the demo's pruned
-    Qwen3, two seeds (docs/demo.md, the heal sweeps): renorm healed more than ghost (at 100, 200 and 300 steps), tau 2
+    Qwen3, two seeds (docs/benchmarks.md, the heal sweeps): renorm healed more than ghost (at 100, 200 and 300 steps), tau 2
     and reverse KL / JSD no better than tau 1 forward KL, and every alpha < 1 less than 1 (at lr 1e-3 it left the
     student further from its teacher than pruning had). renorm trains only the shape within the teacher's top-K and
     never moves the student's mass outside it, which a trained student already holds: a student far from its teacher

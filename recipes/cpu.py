@@ -20,7 +20,7 @@ def hf_student_kd_cpu_fp32_config(hf_path: str = QWEN3_0P6B, seq_length: int = 2
     (alpha 1) with the renorm tail, Adam at 1e-3 with 30 warm-up steps then cosine to 1e-4; checkpoints (each also a
     HF folder) every 500 steps and at the end in ``outputs/hf_student_kd_cpu/checkpoints`` (resumed from there),
     TensorBoard events and the step history beside them in ``tb_logs``. The loss, learning rate and length are the
-    heal sweeps' winners for a top-K store on the demo's pruned Qwen3 (two seeds, docs/demo.md): 300 steps at 1e-3
+    heal sweeps' winners for a top-K store on the demo's pruned Qwen3 (two seeds, docs/benchmarks.md): 300 steps at 1e-3
     won back 86-90 % of the perplexity pruning cost; a smaller rate healed less, 2e-3 and above less again. A sampled
     store (``cache --draws N``, the demo's) takes ``kd.tail=sampled``."""
     cfg = kd_hf_student_config(hf_path, cache_path="outputs/caches/teacher.zarr", run_name="hf_student_kd_cpu",

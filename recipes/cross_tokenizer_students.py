@@ -1,7 +1,7 @@
 """Cross-tokenizer distillation (issues #18, #31): a student with its own tokenizer learns from a teacher's cache
 (``megatron_kd_plugin.loss.cross_tokenizer``): the token-level term (at every student position, the teacher's
 candidates read as the student's next token through their first student tokens) and, with ``kd.token_weight`` < 1,
-the approximate-likelihood-matching segment term. Measured (docs/loss.md), students trained from random weights: the
+the approximate-likelihood-matching segment term. Measured (docs/cross-tokenizer.md), students trained from random weights: the
 token-level term alone (``kd.token_weight=1``, ``kd.alpha=0.5``) wins 0.93 of the same-tokenizer KD gain against a
 related tokenizer (byte-level BPE against byte-level BPE) and 0.35 against an unrelated one (a Unigram against a
 byte-level BPE); the segment term cost quality in both, so these recipes leave it out.

@@ -148,7 +148,7 @@ def test_dispatch(monkeypatch):
         chunk_logit_grad_(logits, torch.zeros(2), torch.zeros(2), ids, torch.zeros(2, 1), 1.0, ce_coef=torch.zeros(2))
 
 
-# ---- end to end: the loss options' logit gradients in the kernels' form, against autograd (docs/kernels.md) ----
+# ---- end to end: the loss options' logit gradients in the kernels' form, against autograd (docs/how-it-works/kernels.md) ----
 
 def _bucket_divergence(log_p, log_q, divergence, beta=0.3):
     """Per-token divergence [c] between bucket distributions [c, B] (float64; no zero probabilities here)."""

@@ -147,7 +147,7 @@ def test_kd_forward_step_refuses_mtp_students():
 
 
 def test_loss_options_that_left_a_student_worse_are_refused_or_warned_before_step_one(store, capsys):
-    """The option screen's harmful combinations (docs/demo.md): tail='none' without the hard labels or at tau != 1 is
+    """The option screen's harmful combinations (docs/store-kinds-and-loss.md): tail='none' without the hard labels or at tau != 1 is
     refused in one line naming the alternative (by the train command too, before any training), a heal at
     0 < alpha < 1 warned, and renorm at alpha 1 for a student from random weights; the recommended settings, a
     from-scratch student on the ghost tail and the CE-only control are not."""

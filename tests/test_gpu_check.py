@@ -185,7 +185,7 @@ def test_preflight_on_a_python_that_is_a_venv(lent_machine, tmp_path):
     over for the stand-in venv's python, the wheels install offline beside it (no venv is made), torch, triton and
     numpy come from it, every carried version and every stage's import checks out, the device is named. Before issue
     32 the script took python3.12 and stopped; given the venv's interpreter (KD_PYTHON) it made a venv from it that
-    had no torch (docs/kernels.md)."""
+    had no torch (docs/how-it-works/kernels.md)."""
     venv_bin, wheels, decoy = lent_machine
     env = _clean_env(tmp_path, PATH=os.pathsep.join([str(decoy), str(venv_bin), "/usr/bin", "/bin"]),
                      KD_GPU_WHEELS=str(wheels))

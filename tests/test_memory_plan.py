@@ -1,7 +1,7 @@
 """The memory planner (``python -m megatron_kd_plugin plan``): model state against Megatron-Bridge's estimator, the
 activation table against every tensor megatron-core's local layers save (one spawned process, ~30 s), the recipes'
 stated figures, margins and lengths, the published case, the refusals. The whole step against measured peaks:
-tools/bench_step.py (docs/memory.md)."""
+tools/bench_step.py (docs/long-context.md)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ pass, Python 3.12, a shared 2-core machine at load average 3-8): the permutation
 (two epochs' arrays at an epoch's turn: 1.5 GB; at 10^9, extrapolated, ~65 s and 8-16 GB: not run here); the
 computed order reads 162,000-173,000 rows/s (5.8-6.2 us a row) at n = 10^6 and 154,000-166,000 rows/s (6.0-6.5 us)
 at n = 10^9, and an epoch's turn costs 12 us; tracemalloc's peak over window_of calls is 0 MB at n = 10^10. A row's
-read from a store costs ~870 us (docs/cache.md: ~590,000 tokens per CPU-second at 512 tokens a row): the order adds
+read from a store costs ~870 us (docs/benchmarks.md: ~590,000 tokens per CPU-second at 512 tokens a row): the order adds
 < 1 %.
 """
 

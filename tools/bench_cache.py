@@ -26,7 +26,7 @@ qwen3|qwen3_moe`` does the same with a randomly initialised Hugging Face checkpo
 by ``transformers``, loaded by the tool through Megatron-Bridge), at each ``--tp`` times each ``--ep``.
 
 ``--reader-codecs A B ...`` measures the reader alone on one store per log-prob codec (e.g. ``fp16-bitround7 grid8``:
-the codec before issue #21 against its default), in alternating rounds in this one process: best rate of each,
+the earlier default codec against today's), in alternating rounds in this one process: best rate of each,
 the ratio to the first, and each store's bytes/token.
 
 ``--integrity-cost`` measures what the records (format version 3 on) cost the reader (issue 20): the default-codec

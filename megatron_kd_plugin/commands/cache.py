@@ -75,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "against the teacher vocab")
     p.add_argument("--text-key", default="text", help="JSONL field holding the text")
     p.add_argument("--output", required=True, help="store path: a directory (e.g. cache.zarr), s3://BUCKET/PREFIX "
-                   "or msc://PROFILE/PATH (docs/cache.md \"Object storage\")")
+                   "or msc://PROFILE/PATH (docs/object-storage.md)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
     p.add_argument("--num-samples", type=int, default=None, help="first N windows only (default: all)")
     p.add_argument("--topk", type=int, default=None, help="K of a top-K store (default 100)")
@@ -108,11 +108,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"kind's work buffers (default {DEFAULT_CHUNK_BYTES}); the rows do not depend on it")
     p.add_argument("--samples-per-shard", type=int, default=None,
                    help="samples per shard file, the unit a writer owns and a kill redoes (default: 2^20 tokens a "
-                        "shard, i.e. 2^20 / --seq-length samples; docs/cache.md 'At scale')")
+                        "shard, i.e. 2^20 / --seq-length samples; docs/caching.md 'At scale')")
     p.add_argument("--logprob-codec", default=None, choices=sorted(fmt.LOGPROB_CODECS),
                    help="grid8 (the default of a top-K): a float16 row maximum and 8-bit codes below it, ~70 B/token "
                         "at K=100, round-trip KL ~5e-4 nats; fp16-bitround7 (the default with --draws: a grid cannot "
-                        "store repeated draws), fp16-bitround8, fp16, fp32: more bytes, less error (docs/cache.md)")
+                        "store repeated draws), fp16-bitround8, fp16, fp32: more bytes, less error (docs/store-kinds-and-loss.md)")
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
     p.add_argument("--cross-tokenizer", action="store_true",
                    help="also store what a student with another tokenizer needs: each token's realised log-prob and "

@@ -34,7 +34,7 @@ head_dim, G = query groups x head_dim, F the MLP width, all divided by TP (H onl
   plus fp32 statistics: 4 B per head (the attention's log-sum-exp) and per norm row (rstd; QK norms: per head).
 
 Local layers on CPU: ``tests/test_memory_plan.py`` counts every tensor megatron-core saves and holds this table to
-it exactly; ``tools/bench_step.py`` holds the whole step to the measured peak (docs/memory.md). Transformer Engine's
+it exactly; ``tools/bench_step.py`` holds the whole step to the measured peak (docs/long-context.md). Transformer Engine's
 column is read off its code (``LayerNormLinear`` saves input and normalised output, its attention q, k, v, output
 and softmax statistics, megatron's fused bias-SwiGLU its input); no TE run checks it here.
 

@@ -7,7 +7,7 @@
         dataset.cache_path=outputs/caches/tiny_teacher.zarr model.tensor_model_parallel_size=2
 
 With CUDA it runs Megatron-Bridge's ``pretrain()`` with the KD forward step (checked to import before anything is
-built; what it lacks is named with the install command: ``pip install 'megatron_kd_plugin[gpu]'``, docs/bridge.md);
+built; what it lacks is named with the install command: ``pip install 'megatron_kd_plugin[gpu]'``, docs/getting-started.md);
 without CUDA the same config runs under the CPU development loop (``megatron_kd_plugin.bridge.cpu_train``).
 ``--hf-path`` gives a recipe that takes a Hugging Face student (``hf_path``) its folder or hub id, ``--seq-length``
 the sequence length (the recipe's ``seq_length``, else both seq_length overrides); ``plan`` takes the same arguments.
@@ -100,7 +100,7 @@ def import_pretrain():
         missing = error.name or str(error)
         package = PRETRAIN_NEEDS.get(missing.split(".")[0], missing)
         raise ImportError(f"Megatron-Bridge's pretrain() cannot import {missing!r}: install {package} (on a CUDA "
-                          "machine: pip install 'megatron_kd_plugin[gpu]', see docs/bridge.md)") from error
+                          "machine: pip install 'megatron_kd_plugin[gpu]', see docs/getting-started.md)") from error
     return pretrain
 
 

@@ -1,4 +1,4 @@
-"""Data-mixture ablations without the teacher (issue #30): cache once per domain, heal the same pruned student on
+"""Data-mixture ablations without the teacher: cache once per domain, heal the same pruned student on
 several blends of the two stores, compare each domain's held-out numbers.
 
     python -m megatron_kd_plugin demo --mixture [--output outputs/demo_mixture] [--preset default|mini] [--overwrite]

@@ -92,14 +92,14 @@ class HealConfig:
     """Train samples whose activations rank the MLP channels."""
     heal_steps: int = 200
     """Optimizer steps of each heal (the budget KD and CE share; one epoch of as many cached samples, the first
-    1,600 of the train split; the heal sweeps, docs/demo.md)."""
+    1,600 of the train split; the heal sweeps, docs/benchmarks.md)."""
     heal_lr: float = 1e-3
     """The KD heal's peak learning rate (10 % warm-up, then cosine to a tenth): the best of 1e-4 ... 3e-3 at
     alpha = 1 in the heal sweeps (5e-4 ... 1e-3 within a point; 2e-3 and above worse)."""
     ce_lr: float = 2.5e-4
     """The CE heal's peak learning rate (same schedule): the CE control's best held-out perplexity in the sweep on
     the seed-1234 demo with the 800-step teacher (1.25e-4 / 2.5e-4 / 5e-4 / 1e-3 / 2e-3 / 3e-3: 101.9 / 99.7 / 99.8
-    / 102.5 / 108.6 / 115.7; docs/demo.md). A control run off its best rate would flatter KD."""
+    / 102.5 / 108.6 / 115.7; docs/benchmarks.md). A control run off its best rate would flatter KD."""
     draws: int = 64
     """Teacher ids drawn per token into the cache (``--draws N``, a sampled store); 0 caches the top-``topk``
     instead. 64 draws healed more than the top-100 at 0.87x its bytes in the heal sweeps (200 and 300 steps)."""
@@ -107,7 +107,7 @@ class HealConfig:
     """Teacher top-K cached per token when ``draws`` is 0."""
     kd_alpha: float = 1.0
     """The KD heal's loss: kd_alpha * KD + (1 - kd_alpha) * CE (the CE heal: alpha = 0). 1: every alpha < 1 healed
-    less, and at lr 1e-3 moved the student away from the teacher (docs/demo.md)."""
+    less, and at lr 1e-3 moved the student away from the teacher (docs/benchmarks.md)."""
     kd_tail: str = "sampled"
     """The KD heal's tail (``kd.tail``): ``sampled`` for drawn rows; with a top-K store (``draws=0``) ``renorm``
     healed more than ``ghost`` in the heal sweeps, at 100, 200 and 300 steps."""

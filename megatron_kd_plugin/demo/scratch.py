@@ -121,9 +121,9 @@ class DemoConfig:
 
 PRESETS = {
     "default": DemoConfig(),
-    # the quality benchmark's size (docs/demo.md). A 512-id vocabulary and 1,200 teacher steps give a teacher as
+    # the quality benchmark's size (docs/benchmarks.md). A 512-id vocabulary and 1,200 teacher steps give a teacher as
     # confident as a large LM is over its own vocabulary (~98% of its held-out mass in its top-100); the top-K
-    # route's gap to dense KD grows with the mass outside the top-K (docs/demo.md)
+    # route's gap to dense KD grows with the mass outside the top-K (docs/benchmarks.md)
     "small": DemoConfig(
         corpus=CorpusConfig(vocab_size=512, train_bytes=3_000_000, heldout_bytes=400_000),
         seq_length=128,

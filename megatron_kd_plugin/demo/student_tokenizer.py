@@ -1,4 +1,4 @@
-"""Cross-tokenizer distillation quality in bits per byte (issue #18): how much of the same-tokenizer KD gain does a
+"""Cross-tokenizer distillation quality in bits per byte: how much of the same-tokenizer KD gain does a
 student with another tokenizer get from the same cache?
 
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe [--preset default|mini] [--output DIR] [--reuse]

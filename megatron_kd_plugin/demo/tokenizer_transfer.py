@@ -1,4 +1,4 @@
-"""Tokenizer transfer (issue #31): the teacher's own architecture and weights with a new tokenizer, healed from the
+"""Tokenizer transfer: the teacher's own architecture and weights with a new tokenizer, healed from the
 teacher's cache by cross-tokenizer KD against CE, in held-out bits per byte.
 
     python -m megatron_kd_plugin demo --tokenizer-transfer unigram|bpe|PATH [--preset default|mini] [--output DIR]

@@ -1,6 +1,6 @@
 """The two per-chunk operations of the fused loss in plain PyTorch: the CPU path and the Triton kernels' baseline.
 
-The math (written once, here; ``docs/kernels.md`` derives why every loss option fits it).
+The math (written once, here; ``docs/how-it-works/kernels.md`` derives why every loss option fits it).
 Shapes: c tokens in the chunk, Vp = V/tp columns of this rank's vocab shard, J gathered ids per token.
 
     logits      [c, Vp]  raw X_c W_pᵀ of this shard, any float dtype; u = scale * logits in fp32, scale = 1/tau

@@ -160,7 +160,7 @@ class KDLossResult(NamedTuple):
 
 def check_training_options(options: KDLossOptions, *, heal: bool) -> list[str]:
     """Before step one of a training run on a teacher's top-K or draws (``cache.rows.slot_rows.SlotRows.check``):
-    combinations measured to leave a student worse than it started (docs/demo.md, "The option screen": every tail x
+    combinations measured to leave a student worse than it started (docs/store-kinds-and-loss.md, "The option screen": every tail x
     temperature x divergence x alpha on the heal demo). ValueError for a combination that starves the student whatever
     the learning rate; the warning lines for one that did at the recipe's learning rate (``heal``: the student starts
     from trained weights); [].
@@ -174,15 +174,15 @@ def check_training_options(options: KDLossOptions, *, heal: bool) -> list[str]:
     """
     if options.tail == "none" and (options.alpha == 1.0 or options.temperature != 1.0):
         raise ValueError(f"kd.tail='none' with kd.alpha={options.alpha}, kd.temperature={options.temperature} drives "
-                         "the student's probability outside the teacher's top-K to zero (docs/demo.md, the option "
+                         "the student's probability outside the teacher's top-K to zero (docs/store-kinds-and-loss.md, the option "
                          "screen); use kd.tail='renorm' or 'ghost'")
     if heal and 0.0 < options.alpha < 1.0:
         return [f"kd.alpha={options.alpha} mixes hard-label cross entropy into a heal: on the heal demo every alpha "
                 "< 1 healed less than alpha = 1, and at lr 1e-3 left the student further from its teacher (KL) than "
-                "before healing (docs/demo.md, the option screen); kd.alpha=1.0 unless you mean it"]
+                "before healing (docs/store-kinds-and-loss.md, the option screen); kd.alpha=1.0 unless you mean it"]
     if not heal and options.tail == "renorm" and options.alpha == 1.0:
         return ["kd.tail='renorm' at kd.alpha=1.0 teaches a student that does not start from trained weights only the "
                 "shape inside the teacher's top-K: from random weights it learnt less than hard labels alone (quality "
-                "bench, top-100: perplexity 97.4 against CE's 78.9 and the ghost tail's 53.4; docs/demo.md); "
+                "bench, top-100: perplexity 97.4 against CE's 78.9 and the ghost tail's 53.4; docs/store-kinds-and-loss.md); "
                 "kd.tail='ghost' unless the student is trained (checkpoint.pretrained_checkpoint)"]
     return []

@@ -47,18 +47,18 @@ Row t of sample i is the teacher's distribution over token ``tokens[i, t+1]`` gi
 vocabulary at the cache temperature τ_c, so ``Σ_k exp(·) = m <= 1`` is the top-K mass;
 ``teacher_logsumexp[i, t] = LSE(z / τ_c)``. Within a row the K ids are sorted ascending by id (not by rank) and
 the log-probs follow the same order: a sorted K-subset of the vocabulary delta-codes to ~130 B/token at K=100,
-V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/cache.md); on trained
+V=32k (~166 at V=201k) against ~197 (~235) for rank order (``tools/bench_cache.py``, docs/reference/store-format.md); on trained
 teachers blosc's byte shuffle of the deltas beats its bit shuffle by a third (their rows repeat the gap patterns
 of frequent ids). Ids are int32: vocabularies up to 2^31. The default log-prob codec ``grid8``
 (``logprob_grid.py``) stores each row as its float16 maximum and one 8-bit code per slot on a fixed grid below it
 (exact −inf for padding slots): ~70 B/token at K=100 on the trained teachers of ``tools/bench_codec.py`` at a mean
 round-trip KL of 3-6e-4 nats, against ~100 B/token and ~2e-5 for the fp16 bit-rounded to 7 mantissa bits
-(``fp16-bitround7``) it replaced, which stays readable and writable (docs/cache.md).
+(``fp16-bitround7``) it replaced, which stays readable and writable (docs/reference/store-format.md).
 
 Sampled stores (``mode="sampled"``, ``format`` :data:`SAMPLED_FORMAT_NAME`, issue #8): the same arrays with K = N
 draws per token from the proposal q ∝ p^(1/t) (``draws.py``): ``teacher_ids`` holds the N drawn ids sorted
 ascending with duplicates kept (a repeat delta-codes to 0, so the multiplicity costs ~nothing; this measured
-smaller than distinct ids + uint8 counts, docs/cache.md), ``teacher_logprobs`` the teacher's l of each (same
+smaller than distinct ids + uint8 counts, docs/reference/store-format.md), ``teacher_logprobs`` the teacher's l of each (same
 codec), and, only when t != 1, ``teacher_proposal_lognorm`` float32 [samples, S] = G = logsumexp_v(l_v / t). A reader
 computes the importance weights w = (1/N)·exp(l·(1 − 1/t) + G) per slot (``draws.draw_weights``).
 
@@ -78,7 +78,7 @@ the teacher tokenizer's byte table: token id v is the bytes ``teacher_vocab_byte
 ``teacher_vocab_offsets`` (``token_bytes.py``). A sample's text is the concatenation of its tokens' bytes and token t's
 byte span within it ends at the cumulative sum of the lengths, so the spans cost no bytes on disk; only the realised
 log-prob is per token (~1.2 B/token in fp16-bitround7, the codec of this array when the log-prob codec is a grid, which
-needs rows of several slots; docs/cache.md).
+needs rows of several slots; docs/reference/store-format.md).
 
 Group attributes: ``format`` (:data:`FORMAT_NAME` or :data:`SAMPLED_FORMAT_NAME`), ``version``
 (:data:`FORMAT_VERSION`), every field of :class:`CacheSpec` (mode, K, vocab size, seq_length, sample count, cache
@@ -162,7 +162,7 @@ class LogprobCodec:
     and one 8-bit code per slot); None: the values are stored as ``dtype`` floats."""
     ids_shuffle: str = "bitshuffle"
     """Blosc's shuffle of the delta-coded int32 ids: "bitshuffle" (the codecs before the grid) or "shuffle" (bytes:
-    a real teacher's rows repeat gap patterns of its frequent ids, which zstd finds only byte-wise; docs/cache.md)."""
+    a real teacher's rows repeat gap patterns of its frequent ids, which zstd finds only byte-wise; docs/store-kinds-and-loss.md)."""
 
 
 LOGPROB_CODECS = {
@@ -172,7 +172,7 @@ LOGPROB_CODECS = {
     "fp16-bitround7": LogprobCodec(dtype="float16", keepbits=7),
     "grid8": LogprobCodec(dtype="float32", grid=GRID8, ids_shuffle="shuffle"),
 }
-"""Named log-prob codecs; ``tools/bench_codec.py`` measures bytes/token and round-trip KL of each (docs/cache.md)."""
+"""Named log-prob codecs; ``tools/bench_codec.py`` measures bytes/token and round-trip KL of each (docs/store-kinds-and-loss.md)."""
 REALISED_CODEC = LOGPROB_CODECS["fp16-bitround7"]
 """The codec of ``teacher_realised_logprob`` (one value per token) in stores whose log-prob codec is a grid."""
 
@@ -195,7 +195,7 @@ def check_logprob_codec(kind: StoreKind, codec: str) -> None:
 
 SHARD_TOKENS = 1 << 20
 """Tokens a shard holds by default (:func:`default_samples_per_shard`), chosen by ``tools/bench_store_scale.py``
-(docs/cache.md "At scale"): ~3.8 files per 10^6 tokens, at most 95,367 shard files in a folder at 10^11 tokens, a
+(docs/caching.md "At scale"): ~3.8 files per 10^6 tokens, at most 95,367 shard files in a folder at 10^11 tokens, a
 writer's shard buffers ~0.8 GB at K = 100, at most one shard of work per writer lost to a kill."""
 
 

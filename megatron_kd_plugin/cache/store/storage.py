@@ -4,7 +4,7 @@ behind one small interface: whole objects, the tail of one (a shard's index) and
 conditional writes, listing and deletion, and the zarr store of the location.
 
 The object-store client is obstore (zarr 3's ``ObjectStore`` wraps it), chosen by ``tools/bench_object_store.py``
-against multi-storage-client and s3fs on a real S3 server (docs/cache.md "Object storage": it read a store's
+against multi-storage-client and s3fs on a real S3 server (docs/object-storage.md: it read a store's
 chunk ranges 3-5x faster, batched, and wrote as fast). Credentials and endpoints are the client's users' own:
 ``s3://`` reads the ``AWS_*`` variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...) and ``~/.aws`` profiles
 (``AWS_PROFILE``) like every S3 client; ``msc://PROFILE/...`` reads the profile of multi-storage-client's own config
