@@ -3,10 +3,11 @@ conditional writes (the counterpart of ``lock.py``'s POSIX lock on a local disk,
 
 Taking it: a PUT with If-None-Match: * creates the object only where none exists; an existing lease is taken over
 (a PUT with If-Match: its ETag, so two runs cannot both take it) only when it has expired (not renewed for
-:data:`LEASE_SECONDS`, by the server's clock: its Last-Modified) or when its holder is a process of this host that no
-longer lives (a run killed with SIGKILL is resumed at once on the same machine, as with the POSIX lock). Holding it:
-a thread renews it every :data:`LEASE_SECONDS` / 4 with If-Match: the ETag of its own last write; a renewal that
-fails means another run took the lease (after this one stalled past its expiry). Releasing it: deleting the object.
+:data:`LEASE_SECONDS`: its Last-Modified, by the server's clock, against this host's clock) or when its holder is a
+process of this host that no longer lives (a run killed with SIGKILL is resumed at once on the same machine, as
+with the POSIX lock). Holding it: a thread renews it every :data:`LEASE_SECONDS` / 4 with If-Match: the ETag of its
+own last write; a renewal that fails means another run took the lease (after this one stalled past its expiry).
+Releasing it: deleting the object.
 
 Only the run's global rank 0 holds the lease (a rank that dies ends the run's collectives, and rank 0 dying stops
 the renewals, so the lease expires); every other rank's handle (:meth:`shared`) reads the holder id of rank 0's
@@ -14,11 +15,12 @@ lease when it joins. :meth:`check` runs before each shard is written, on every w
 renewal failed or the lease object names another holder (one GET), so a run that lost its lease writes no further
 shard and never marks the store complete.
 
-A server without conditional writes (it rejects them, the client is told not to send them: ``AWS_CONDITIONAL_PUT=
-disabled``, or it ignores them: a second If-None-Match create of the lease succeeds) cannot tell two runs apart at
-the moment they take the lease: the writer then says so in one line, refuses to start while a lease object that
-has not expired exists, and renews by reading the holder id before overwriting it. Two runs starting within the
-same moment are then both let in, and each stops at its next :meth:`check` once the lease object names the other.
+Without conditional writes (the client told not to send them, ``AWS_CONDITIONAL_PUT=disabled``: the setting for a
+server that rejects them; or a server that ignores them: a second If-None-Match create of the lease succeeds) the
+server cannot tell two runs apart at the moment they take the lease: the writer then says so in one line, refuses
+to start while a lease object that has not expired exists, and renews by reading the holder id before overwriting
+it. Two runs starting within the same moment are then both let in, and each stops at its next :meth:`check` once
+the lease object names the other.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class WriterLease:
         except FileExistsError:
             self._etag = self._take_over(body)
         except storage.ConditionsUnsupported as exc:
-            print(f"[cache] {exc}: a second run writing {self.prefix} at the same moment is not detected", flush=True)
+            print(f"[cache] {exc}: a second run starting on {self.prefix} at the same moment is not refused (each "
+                  "run stops before its next shard once the lease names the other)", flush=True)
             self._conditional = False
             self.prefix.put(LOCK_NAME, body)
         self._held_by = self.holder["id"]
