@@ -1,8 +1,8 @@
 """Issue #51: the writers' lease of a store on object storage (``cache/store/lease.py``) at cluster scale, against
 the real S3 server (SeaweedFS): a run that lost its lease stops before its next shard, a dead holder's lease is
 taken over once expired and not before, a server without conditional writes is served by the safe rule, and a
-bucket that vanishes under a reader fails its reads in one line. The stores are the 12-sample ones of
-``test_object_store.py``."""
+bucket that vanishes, or credentials refused, under an open reader fail its reads in one line. The stores are the
+12-sample ones of ``test_object_store.py``."""
 
 from __future__ import annotations
 
@@ -123,3 +123,19 @@ def test_a_bucket_that_vanishes_under_a_reader_fails_each_read_in_one_line_namin
     reader.hint([4, 5])                                         # read ahead: the error surfaces where asked for
     with pytest.raises(ValueError, match=gone):
         reader[4]
+
+
+def test_credentials_refused_under_an_open_reader_fail_each_read_in_one_line_naming_the_store(stores, monkeypatch):
+    """Keys revoked or expired while a reader is open: its client is given a wrong secret (a client cannot be told
+    so in place), the refusal is the real server's answer."""
+    url = stores["s3"]
+    reader = TopKCacheReader(url)
+    reader[0]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "revoked")
+    reader.path.store = location(url).store
+    refused = rf"^{url}: the object store refused the credentials \(SignatureDoesNotMatch\)"
+    with pytest.raises(ValueError, match=refused):
+        reader[0]
+    reader.hint([8, 9])                                         # read ahead: the error surfaces where asked for
+    with pytest.raises(ValueError, match=refused):
+        reader[8]
