@@ -35,6 +35,15 @@ def shards_with_objects(url: str) -> set[int]:
     return {int(found.group(1)) for key in location(url).keys() if (found := re.search(r"/c\.(\d+)(\.|$)", key))}
 
 
+def refuse_each_read(reader: TopKCacheReader, message: str) -> None:
+    """Sample 0 (its shard index cached) read at once, and sample 4 read ahead, both fail with ``message``."""
+    with pytest.raises(ValueError, match=message):
+        reader[0]
+    reader.hint([4, 5])                                         # read ahead: the error surfaces where asked for
+    with pytest.raises(ValueError, match=message):
+        reader[4]
+
+
 def test_a_run_that_lost_its_lease_writes_no_further_shard_and_the_rerun_finishes_the_store(stores):
     url = fresh_url("lost.zarr")
     lost = rf"^{url}: this run lost its writers' lease {url}/{LOCK_NAME} \(process 1 on another-host holds it now\)"
@@ -117,12 +126,7 @@ def test_a_bucket_that_vanishes_under_a_reader_fails_each_read_in_one_line_namin
                                                 rf"\({url}/teacher_ids/c.2.0.0 \(samples \[8, 12\)\) is missing"):
         reader[8]
     s3_server.delete_bucket(bucket)
-    gone = rf"^{url}: the bucket '{bucket}' does not exist"
-    with pytest.raises(ValueError, match=gone):
-        reader[0]
-    reader.hint([4, 5])                                         # read ahead: the error surfaces where asked for
-    with pytest.raises(ValueError, match=gone):
-        reader[4]
+    refuse_each_read(reader, rf"^{url}: the bucket '{bucket}' does not exist")
 
 
 def test_credentials_refused_under_an_open_reader_fail_each_read_in_one_line_naming_the_store(stores, monkeypatch):
@@ -133,9 +137,4 @@ def test_credentials_refused_under_an_open_reader_fail_each_read_in_one_line_nam
     reader[0]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "revoked")
     reader.path.store = location(url).store
-    refused = rf"^{url}: the object store refused the credentials \(SignatureDoesNotMatch\)"
-    with pytest.raises(ValueError, match=refused):
-        reader[0]
-    reader.hint([8, 9])                                         # read ahead: the error surfaces where asked for
-    with pytest.raises(ValueError, match=refused):
-        reader[8]
+    refuse_each_read(reader, rf"^{url}: the object store refused the credentials \(SignatureDoesNotMatch\)")
