@@ -98,15 +98,22 @@ class LocalS3:
 
     def create_bucket(self, bucket: str) -> None:
         """Creates ``bucket`` (one PUT)."""
-        import botocore.session
-
-        client = botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1")
+        client = self._client()
         try:
             client.create_bucket(Bucket=bucket)
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass
+
+    def delete_bucket(self, bucket: str) -> None:
+        """Deletes the empty ``bucket`` (one DELETE)."""
+        self._client().delete_bucket(Bucket=bucket)
+
+    def _client(self):
+        import botocore.session
+
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1")
 
     def stop(self) -> None:
         if self.process.poll() is None:

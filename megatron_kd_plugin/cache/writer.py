@@ -404,9 +404,10 @@ def _preparer(dp_rank: int) -> bool:
 
 def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindows, teacher_fn: TeacherFn, *,
                   micro_batch_size: int, tp_group, dp_size: int, shards: range, progress: bool,
-                  on_shard_written: Callable[[int], None], chunk_bytes: int, cp_group) -> WriteStats:
+                  on_shard_written: Callable[[int], None], chunk_bytes: int, cp_group,
+                  lock: WriterLock | WriterLease) -> WriteStats:
     """Computes the shards of ``shards`` not yet written and, on TP and CP rank 0 of the last pipeline stage, writes
-    them."""
+    them, each once this rank's handle of the writers' ``lock`` says the run still holds it (``lock.check``)."""
     group = fmt.open_group(output, mode="r+")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     writes = tp_rank == 0 and (cp_size_of(cp_group) == 1 or dist.get_rank(cp_group) == 0)
@@ -441,6 +442,8 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
                 written(in_flight[1])
                 in_flight = None
             tokens = (end - begin) * spec.seq_length
+            if writes and arrays:
+                lock.check()                            # a run that lost its lease writes no further shard
             if uploads is not None and arrays:
                 in_flight = (uploads.submit(write_shard, group, spec, shard, arrays, output), tokens)
                 continue
@@ -522,7 +525,8 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
         _agreed(lambda: preparer and prepare_shards(output, spec, shards, repair), everywhere=True)
         stats = _write_shards(output, spec, source, teacher_fn, micro_batch_size=micro_batch_size,
                               tp_group=tp_group, dp_size=dp_size, shards=shards, progress=progress,
-                              on_shard_written=on_shard_written, chunk_bytes=head_chunk_bytes, cp_group=cp_group)
+                              on_shard_written=on_shard_written, chunk_bytes=head_chunk_bytes, cp_group=cp_group,
+                              lock=lock)
         if after_shards is not None:
             after_shards()
         _barrier()

@@ -244,7 +244,7 @@ class ObjectPrefix:
             raise FileExistsError(self.name(key)) from None
         except obx.PreconditionError:
             raise ConditionFailed(self.name(key)) from None
-        except obx.NotSupportedError as exc:
+        except (obx.NotSupportedError, NotImplementedError) as exc:     # the latter: AWS_CONDITIONAL_PUT=disabled
             raise ConditionsUnsupported(f"{self.url}: the object store does not support conditional writes "
                                         f"({str(exc).splitlines()[0]})") from None
 
