@@ -30,18 +30,23 @@ from megatron_kd_plugin.cache.store.reader import TopKCacheReader
 from megatron_kd_plugin.cache.store.records import verify_shards
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CopyStats:
-    """What a copy moved: files (and bytes) written, and files (and bytes) found already there, whole, and kept."""
+    """What a copy moved."""
 
     files_copied: int = 0
+    """Files written to the destination."""
     bytes_copied: int = 0
+    """Their bytes."""
     files_kept: int = 0
+    """Files the destination already held whole (the source's size and CRC32C): an interrupted copy's."""
     bytes_kept: int = 0
+    """Their bytes."""
 
     def __add__(self, other: "CopyStats") -> "CopyStats":
-        return CopyStats(self.files_copied + other.files_copied, self.bytes_copied + other.bytes_copied,
-                         self.files_kept + other.files_kept, self.bytes_kept + other.bytes_kept)
+        return CopyStats(files_copied=self.files_copied + other.files_copied,
+                         bytes_copied=self.bytes_copied + other.bytes_copied,
+                         files_kept=self.files_kept + other.files_kept, bytes_kept=self.bytes_kept + other.bytes_kept)
 
 
 def copy_store(source, destination, *, workers: int = 16, verify_workers: int = 1, progress: bool = False,
