@@ -258,3 +258,88 @@ def test_copy_moves_a_store_to_s3_and_back_valid_throughout_and_refuses_an_occup
         TopKCacheReader(half)
     assert main(["copy", url, half, "--no-progress", "--verify-workers", "1"]) == 0
     assert objects(half) == objects(url)
+
+
+PART = 5 << 20
+"""S3's smallest multipart part (SeaweedFS enforces it): the tests' part size, so an 11 MB file goes in 3 parts."""
+BIG = "teacher_ids/c.9.0.0"
+"""A chunk file past the store's last shard (readers and verification never read it): the file larger than a part."""
+
+
+@pytest.fixture(scope="module")
+def big_store(stores, tmp_path_factory):
+    """A copy of the local store holding also :data:`BIG`, 11 MB of random bytes."""
+    folder = tmp_path_factory.mktemp("bigcopy") / "big.zarr"
+    for key, data in local_files(stores["local"]).items():
+        location(folder).put(key, data)
+    location(folder).put(BIG, np.random.default_rng(0).bytes(2 * PART + (1 << 20)))
+    return folder
+
+
+def _killed_copy(source: str, destination: str, after: int) -> None:
+    """Copies ``source`` to ``destination`` one file at a time and SIGKILLs itself once ``after`` files are in
+    place (a subprocess's body)."""
+    import signal
+
+    from megatron_kd_plugin.cache.store.store_copy import copy_store
+
+    copied = []
+
+    def count(key: str) -> None:
+        copied.append(key)
+        if len(copied) == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    copy_store(source, destination, workers=1, on_file_copied=count)
+
+
+def test_copy_streams_files_larger_than_a_part_to_s3_and_back_byte_identical(big_store, tmp_path):
+    from megatron_kd_plugin.cache.store.store_copy import copy_store
+
+    url, back = fresh_url("big.zarr"), tmp_path / "back.zarr"
+    files = local_files(big_store)
+    stats = copy_store(big_store, url, workers=4, part_bytes=PART, piece_bytes=1 << 16)
+    assert (stats.files_copied, stats.bytes_copied) == (len(files), sum(map(len, files.values())))
+    assert location(url).head(BIG)["e_tag"].strip('"').endswith("-3")   # a multipart upload of 3 parts
+    assert objects(url) == files
+    copy_store(url, back, workers=4, piece_bytes=1000)                  # reads smaller than every file
+    assert local_files(back) == files
+
+
+def test_a_copy_killed_midway_reruns_copying_only_the_files_it_had_not_finished(stores):
+    url, copy = stores["s3"], fresh_url("killed-copy.zarr")
+    code = ("import sys; sys.path.insert(0, sys.argv[3]); from tests.test_object_store import _killed_copy; "
+            "_killed_copy(sys.argv[1], sys.argv[2], 5)")
+    killed = subprocess.run([sys.executable, "-c", code, url, copy, str(REPO)], timeout=scaled(300),
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    with pytest.raises(ValueError, match="is not a teacher cache"):
+        TopKCacheReader(copy)
+    from megatron_kd_plugin.cache.store.store_copy import copy_store
+
+    files = objects(url)
+    stats = copy_store(url, copy)
+    assert (stats.files_kept, stats.files_copied) == (5, len(files) - 5)
+    assert stats.bytes_kept + stats.bytes_copied == sum(map(len, files.values()))
+    assert objects(copy) == files
+
+
+def test_a_file_of_the_right_size_but_other_bytes_is_rewritten_and_a_foreign_place_refused(stores, tmp_path, capsys):
+    from megatron_kd_plugin.__main__ import main
+    from megatron_kd_plugin.cache.store.store_copy import copy_store
+
+    files, half = local_files(stores["local"]), tmp_path / "half.zarr"
+    for key, data in files.items():                           # an interrupted copy: no root zarr.json, one file
+        if key != "zarr.json":                                # damaged in place, one temporary of a killed write
+            location(half).put(key, bytes([data[0] ^ 1]) + data[1:] if key == "teacher_ids/c.1.0.0" else data)
+    (half / "teacher_ids" / f"c.2.0.0.{uuid.uuid4().hex}.partial").write_bytes(b"half a shard")
+    stats = copy_store(stores["local"], half)
+    assert (stats.files_copied, stats.files_kept) == (2, len(files) - 2)   # the damaged file and the root zarr.json
+    assert local_files(half) == files
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("the user's")
+    assert main(["copy", str(stores["local"]), str(foreign), "--no-progress"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and "is not empty and not an interrupted copy of a store" in out
+    assert out.count("\n") == 1 and (foreign / "notes.txt").read_text() == "the user's"

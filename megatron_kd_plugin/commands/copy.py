@@ -1,7 +1,9 @@
 """``python -m megatron_kd_plugin copy SOURCE DESTINATION [--workers N]``: copies a complete store between a local
 folder, ``s3://BUCKET/PREFIX`` and ``msc://PROFILE/PATH`` so that it stays valid (``cache/store/store_copy.py``): its
-files first, the root zarr.json last, then every chunk of the copy read back and checked. A copy killed midway
-is refused by readers until the same command finishes it.
+files first (each streamed in bounded pieces: memory stays flat whatever the file sizes), the root zarr.json last,
+then every chunk of the copy read back and checked. A copy killed midway is refused by readers until the same
+command finishes it, copying only the files it had not finished (a file already there of the source's size and
+CRC32C is kept).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
-        copied = copy_store(args.source, args.destination, workers=args.workers, verify_workers=args.verify_workers,
+        stats = copy_store(args.source, args.destination, workers=args.workers, verify_workers=args.verify_workers,
                             progress=not args.no_progress)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}")
         return 2
-    print(f"copied {args.source} to {args.destination} ({copied} bytes); every chunk of the copy verified")
+    kept = f"; {stats.files_kept} files ({stats.bytes_kept} bytes) already there and kept" if stats.files_kept else ""
+    print(f"copied {args.source} to {args.destination} ({stats.files_copied} files, {stats.bytes_copied} bytes"
+          f"{kept}); every chunk of the copy verified")
     return 0

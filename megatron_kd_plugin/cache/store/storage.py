@@ -1,6 +1,7 @@
 """Where a store's files live: a local folder (:class:`LocalFolder`) or a prefix of an object store
 (:class:`ObjectPrefix`: ``s3://bucket/prefix``, or ``msc://profile/path`` through a multi-storage-client profile),
 behind one small interface: whole objects, the tail of one (a shard's index) and byte ranges of one (its chunks),
+a file streamed in bounded pieces either way (``read_pieces`` / ``write_pieces``: what ``copy`` moves files with),
 conditional writes, listing and deletion, and the zarr store of the location.
 
 The object-store client is obstore (zarr 3's ``ObjectStore`` wraps it), chosen by ``tools/bench_object_store.py``
@@ -23,15 +24,24 @@ import os
 import pathlib
 import re
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 """A URL's scheme (``s3://``, ``msc://``, ``gs://``...), also as ``pathlib`` folds it (``s3:/bucket``)."""
 SCHEMES = ("s3", "msc")
+"""The object-store URL schemes a store (and token data) may live under."""
 COALESCE = 1 << 16
 """Ranges of one object less than this many bytes apart are fetched in one request (obstore's default, 1 MiB, would
 fetch up to a MiB of unwanted bytes between two random samples' chunks)."""
-"""The object-store URL schemes a store (and token data) may live under."""
+PIECE_BYTES = 1 << 20
+"""The bytes :meth:`read_pieces` reads at a time (one ``read`` of a file, or of an object's response body)."""
+MIN_PART_BYTES = 5 << 20
+"""S3's smallest part of a multipart upload (all but the last part; SeaweedFS enforces it too): the default
+``part_bytes`` of :meth:`ObjectPrefix.write_pieces`. 10,000 parts at most: objects up to 48 GiB at this size."""
+UPLOAD_CONCURRENCY = 1
+"""Parts of one multipart upload sent at once, beside the one being filled: an upload holds at most
+``(UPLOAD_CONCURRENCY + 1) * part_bytes`` (the copy gets its parallelism from several files at once)."""
 
 
 def location(path, what: str = "a store") -> "LocalFolder | ObjectPrefix":
@@ -92,6 +102,12 @@ class LocalFolder:
     def get(self, key: str) -> bytes:
         return (self.path / key).read_bytes()
 
+    def read_pieces(self, key: str, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+        """``key``'s bytes, ``piece_bytes`` at a time (the last piece shorter); FileNotFoundError."""
+        with open(self.path / key, "rb", buffering=0) as file:
+            while piece := file.read(piece_bytes):
+                yield piece
+
     def exists(self, key: str) -> bool:
         return os.path.isfile(self.path / key)
 
@@ -101,13 +117,27 @@ class LocalFolder:
         return sorted(str(file.relative_to(self.path)) for file in root.rglob("*") if file.is_file()) \
             if root.is_dir() else []
 
+    def sizes(self) -> dict[str, int]:
+        """{key: bytes} of every file under the folder."""
+        return {key: os.path.getsize(self.path / key) for key in self.keys()}
+
     def put(self, key: str, data: bytes) -> None:
         """Writes ``key`` atomically (a temporary file renamed into place)."""
+        self.write_pieces(key, [data])
+
+    def write_pieces(self, key: str, pieces: Iterable[bytes], part_bytes: int | None = None) -> None:
+        """Writes ``key`` from ``pieces`` as they come, atomically: into a temporary file (``NAME.<uuid>.partial``,
+        deleted if ``pieces`` raises) renamed into place once complete. ``part_bytes``: unused (object storage's)."""
         path = self.path / key
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "wb") as file:
+                for piece in pieces:
+                    file.write(piece)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 class ObjectPrefix:
@@ -196,6 +226,45 @@ class ObjectPrefix:
 
         with self.errors(key):
             return bytes(obstore.get(self.store, key).bytes())
+
+    def read_pieces(self, key: str, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+        """``key``'s bytes in pieces of at least ``piece_bytes`` (the last one shorter), streamed from one GET as
+        they are consumed; FileNotFoundError."""
+        import obstore
+
+        with self.errors(key):
+            stream = obstore.get(self.store, key).stream(min_chunk_size=piece_bytes)
+        while True:
+            with self.errors(key):
+                piece = next(stream, None)
+            if piece is None:
+                return
+            yield bytes(piece)
+
+    def write_pieces(self, key: str, pieces: Iterable[bytes], part_bytes: int = MIN_PART_BYTES) -> None:
+        """Writes ``key`` from ``pieces`` as they come, atomically: one PUT when they add up to at most
+        ``part_bytes``, else a multipart upload of ``part_bytes`` parts (:data:`UPLOAD_CONCURRENCY`) completed only
+        once ``pieces`` ends (aborted if it raises: nothing appears). ValueError for parts below S3's 5 MiB."""
+        import itertools
+
+        import obstore
+
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"{self.url}: part_bytes={part_bytes} is below S3's smallest multipart part "
+                             f"({MIN_PART_BYTES} bytes)")
+        pieces = iter(pieces)
+        first, held = [], 0
+        for piece in pieces:
+            first.append(piece)
+            held += len(piece)
+            if held > part_bytes:
+                break
+        else:
+            self.put(key, b"".join(first))
+            return
+        with self.errors(key):
+            obstore.put(self.store, key, itertools.chain(first, pieces), use_multipart=True, chunk_size=part_bytes,
+                        max_concurrency=UPLOAD_CONCURRENCY)
 
     def head(self, key: str) -> dict | None:
         """``key``'s metadata (``size``, ``e_tag``, ``last_modified``), or None when it does not exist."""
