@@ -36,7 +36,7 @@ class StubKind(RowKind):
     """A kind of row whose rows are never read: ``KDRows`` only asks it for its windows per sample."""
 
     def __init__(self, windows_per_sample: int):
-        self.windows_per_sample = windows_per_sample
+        self.windows_per_sample, self.seq_length = windows_per_sample, 1
 
     @classmethod
     def serves(cls, spec, student) -> bool:

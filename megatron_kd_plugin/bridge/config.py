@@ -45,8 +45,17 @@ class KDConfigContainer(ConfigContainer):
         """
         if self.tokenizer.tokenizer_type == "NullTokenizer" and self.tokenizer.vocab_size is None:
             self.tokenizer.vocab_size = self.model.vocab_size
+        if isinstance(self.dataset, TopKCacheDatasetProvider):
+            share_micro_batch_sizes(self)
         super().validate()
         check_kd_config(self)
+
+
+def share_micro_batch_sizes(cfg: ConfigContainer) -> None:
+    """Copies the micro-batch sizes Bridge's samplers deal rows by into the dataset (``dataset.micro_batch_size``,
+    ``dataset.eval_micro_batch_size``, replacing any value there): each rank's read-ahead fetches its own rows."""
+    cfg.dataset.micro_batch_size = cfg.train.micro_batch_size
+    cfg.dataset.eval_micro_batch_size = cfg.validation.eval_micro_batch_size or cfg.train.micro_batch_size
 
 
 def check_kd_config(cfg: ConfigContainer) -> None:

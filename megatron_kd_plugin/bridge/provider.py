@@ -39,6 +39,7 @@ from megatron_kd_plugin.cache import (
                                       check_blend,
                                       row_kind,
                                       )
+from megatron_kd_plugin.cache.rows.rank_rows import RankRows
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "100,0,0"
@@ -134,6 +135,15 @@ class TopKCacheDatasetProvider(DatasetProvider):
 
     dataloader_type: str | None = "single"
     """Megatron sampler: ``single`` (sequential over rows, resumable by consumed samples) or ``cyclic``."""
+
+    micro_batch_size: int | None = None
+    """Not a setting: ``cfg.train.micro_batch_size``, copied here by ``KDConfigContainer.validate`` (any value given
+    is replaced) so that each data-parallel rank's read-ahead (object storage) fetches the rows ``single``'s sampler
+    gives that rank and no other rank's (``cache.rows.rank_rows``). None: every row's samples are hinted."""
+
+    eval_micro_batch_size: int | None = None
+    """Not a setting: the validation and test micro-batch size (``cfg.validation.eval_micro_batch_size``, else the
+    training one), copied as ``micro_batch_size``."""
 
     student_tokenizer: str | None = None
     """The student's tokenizer (a tokenizer.json, or a folder holding one: its HF tokenizer or checkpoint folder)
@@ -269,15 +279,27 @@ class TopKCacheDatasetProvider(DatasetProvider):
                 raise ValueError(f"the {SPLITS[index]} split of dataset.split={self.split!r} holds no cached samples "
                                  f"of {', '.join(empty)}; change the split, the blend or write larger stores")
             seed = self.seed + index
+            reads = self._reads(rows, self.micro_batch_size if index == 0 else self.eval_micro_batch_size)
             if len(parts) == 1:
                 kind, sample_ids, source = parts[0]
                 datasets.append(KDRows(kind, sample_ids, num_rows=rows, seed=seed, shuffle=self.shuffle,
-                                       source=source))
+                                       source=source, reads=reads, read_ahead=self.dataloader_type == "single"))
             else:
                 datasets.append(BlendedRows(parts, [weight for _, weight in entries]
                                             if entries[0][1] is not None else None,
-                                            num_rows=rows, seed=seed, shuffle=self.shuffle))
+                                            num_rows=rows, seed=seed, shuffle=self.shuffle, reads=reads,
+                                            read_ahead=self.dataloader_type == "single"))
         return tuple(datasets)
+
+    def _reads(self, num_rows: int, micro_batch_size: int | None) -> RankRows | None:
+        """The rows of a ``num_rows``-row split this data-parallel rank reads (megatron-core's data-parallel group,
+        the one Bridge's samplers deal rows over); None (every row) without a micro-batch size or parallel state."""
+        from megatron.core import parallel_state
+
+        if micro_batch_size is None or not parallel_state.model_parallel_is_initialized():
+            return None
+        return RankRows(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                        micro_batch_size, num_rows=num_rows, drop_last=self.drop_last)
 
     def _sample_ids(self, kind: RowKind, split: int) -> range | None:
         """The cached samples of split ``split`` in ``kind``'s store: all of them with ``blend_per_split``, else the

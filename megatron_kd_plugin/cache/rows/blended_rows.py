@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind
+from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind, rows_ahead
+from megatron_kd_plugin.cache.rows.rank_rows import RankRows, RowsAhead
 
 
 def check_blend(kinds: Mapping[str, RowKind]) -> None:
@@ -66,10 +67,12 @@ class BlendedRows(torch.utils.data.Dataset):
     """``num_rows`` rows of a weighted blend of sources (module docstring).
 
     ``sources``: (kind, cached sample ids, source index) per source; ``weights``: one per source (normalised here;
-    None: in proportion to the sources' rows per epoch); ``seed``/``shuffle`` as ``KDRows``."""
+    None: in proportion to the sources' rows per epoch); ``seed``/``shuffle``/``reads``/``read_ahead`` as ``KDRows``
+    (the blend's rows this process reads: their samples are hinted to each source's store)."""
 
     def __init__(self, sources: Sequence[tuple[RowKind, np.ndarray, int]], weights: Sequence[float] | None, *,
-                 num_rows: int, seed: int, shuffle: bool = True):
+                 num_rows: int, seed: int, shuffle: bool = True, reads: RankRows | None = None,
+                 read_ahead: bool = True):
         from megatron.core.datasets import helpers
 
         if len(sources) < 2:
@@ -84,9 +87,12 @@ class BlendedRows(torch.utils.data.Dataset):
         helpers.build_blending_indices(self.dataset_index, self.dataset_row, self.weights, len(sources), num_rows,
                                        False)
         counts = np.bincount(self.dataset_index, minlength=len(sources))
-        self.parts = [KDRows(kind, ids, num_rows=int(count), seed=seed, shuffle=shuffle, source=source)
-                      for (kind, ids, source), count in zip(sources, counts)]
+        self.parts = [KDRows(kind, ids, num_rows=int(count), seed=seed, shuffle=shuffle, source=source,
+                             read_ahead=False) for (kind, ids, source), count in zip(sources, counts)]
         self.slots = max(kind.slots() for kind, _, _ in sources)
+        reads = RankRows(num_rows=num_rows) if reads is None else reads
+        self._ahead = RowsAhead(reads, rows_ahead(max(kind.seq_length for kind, _, _ in sources)),
+                                self.hint_rows) if read_ahead else None
 
     def __len__(self) -> int:
         return self.num_rows
@@ -97,7 +103,18 @@ class BlendedRows(torch.utils.data.Dataset):
             raise IndexError(f"row {row} out of range for a blend of {self.num_rows} rows")
         return int(self.dataset_index[row]), int(self.dataset_row[row])
 
+    def hint_rows(self, rows) -> None:
+        """The rows to be read next, in order: each source hears of its own."""
+        parts = [[] for _ in self.parts]
+        for row in rows:
+            parts[self.dataset_index[row]].append(int(self.dataset_row[row]))
+        for part, part_rows in zip(self.parts, parts):
+            if part_rows:
+                part.hint_rows(part_rows)
+
     def __getitem__(self, row: int) -> KDRow:
+        if self._ahead is not None:
+            self._ahead(int(row))
         part, part_row = self.source_of(int(row))
         item = self.parts[part][part_row]
         if item.teacher.ids.shape[-1] < self.slots:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from megatron_kd_plugin.cache.rows.rank_rows import RankRows, RowsAhead
 from megatron_kd_plugin.cache.rows.window_order import WindowOrder
 from megatron_kd_plugin.loss import KDLossOptions, RowTeacher
 
@@ -111,13 +112,20 @@ READ_AHEAD_TOKENS = 1 << 17
 ~25 MB of a K = 100 store."""
 
 
+def rows_ahead(seq_length: int) -> int:
+    """Rows a dataset of ``seq_length``-token rows hints ahead (:data:`READ_AHEAD_TOKENS`)."""
+    return max(16, READ_AHEAD_TOKENS // seq_length)
+
+
 class KDRows(torch.utils.data.Dataset):
     """``num_rows`` rows of ``kind`` drawn from the cached samples ``sample_ids`` (module docstring), each marked as
     coming from source ``source`` (``KDRow.source``). ``sample_ids``: a ``range`` (kept as it is: nothing per sample,
-    as nothing per window) or any sequence of ids."""
+    as nothing per window) or any sequence of ids. ``reads``: the rows this process reads, in order (a
+    ``rank_rows.RankRows``: its data-parallel rank's share; None: every row), whose samples are hinted to the store
+    ahead (object storage: ``read_ahead.py``) unless ``read_ahead`` is False (a blend's sources: the blend hints)."""
 
     def __init__(self, kind: RowKind, sample_ids: range | np.ndarray, *, num_rows: int, seed: int,
-                 shuffle: bool = True, source: int = 0):
+                 shuffle: bool = True, source: int = 0, reads: RankRows | None = None, read_ahead: bool = True):
         if len(sample_ids) == 0:
             raise ValueError("this split holds no cached samples; change the split or write a larger cache")
         self.kind = kind
@@ -129,7 +137,8 @@ class KDRows(torch.utils.data.Dataset):
         self.shuffle = shuffle
         self.source = torch.tensor(source, dtype=torch.int64)
         self._order = None   # the WindowOrder of the last epoch read (a few round keys)
-        self._hinted = (0, 0)  # rows whose samples were hinted to the kind (read-ahead on object storage)
+        reads = RankRows(num_rows=num_rows) if reads is None else reads
+        self._ahead = RowsAhead(reads, rows_ahead(kind.seq_length), self.hint_rows) if read_ahead else None
 
     def __len__(self) -> int:
         return self.num_rows
@@ -148,16 +157,10 @@ class KDRows(torch.utils.data.Dataset):
         return int(self.sample_ids[sample]), offset
 
     def __getitem__(self, row: int) -> KDRow:
-        self._read_ahead(int(row))
+        if self._ahead is not None:
+            self._ahead(int(row))
         return self.kind.row(*self.window_of(int(row)))._replace(source=self.source)
 
-    def _read_ahead(self, row: int) -> None:
-        """Hints the kind the samples of the next :data:`READ_AHEAD_TOKENS` tokens of rows not hinted yet, half of
-        them at a time (rows are asked for in ascending order; a jump starts over)."""
-        ahead = max(16, READ_AHEAD_TOKENS // self.kind.seq_length)
-        if not self._hinted[0] <= row < self._hinted[1]:
-            self._hinted = (row, row)
-        end = min(self.num_rows, row + ahead)
-        if end - self._hinted[1] >= ahead // 2 or self._hinted[0] == self._hinted[1]:
-            self.kind.hint([self.window_of(r)[0] for r in range(self._hinted[1], end)])
-            self._hinted = (self._hinted[0], end)
+    def hint_rows(self, rows) -> None:
+        """The rows to be read next, in order: their samples are hinted to the kind."""
+        self.kind.hint([self.window_of(row)[0] for row in rows])
