@@ -85,13 +85,14 @@ def test_moe_student_at_ep2_trains_as_at_ep1_from_its_own_weights(moe_run):
         assert len(two) == STEPS and two[-1]["kd loss"] < two[0]["kd loss"], two
         assert math.isclose(two[0]["loss"], rank["reference"], rel_tol=1e-5), (two[0]["loss"], rank["reference"])
         # step 0 equal to the bit here; Adam then amplifies float noise in near-zero gradients: <= 3.9e-6 measured
-        # over 4 steps (the experts' gradients reduced over the data-parallel group: 9e-5 at step 1)
+        # over 4 steps on one machine, more where the CPU's BLAS blocks differently (the experts' gradients reduced
+        # over the data-parallel group: 9e-5 at step 1)
         for a, b in zip(one, two):
             for key in ("loss", "kd loss", "grad norm"):
                 assert math.isclose(a[key], b[key], rel_tol=2e-5), (key, a, b)
         assert rank[1]["params"].keys() == rank[2]["params"].keys()
         for name, value in rank[1]["params"].items():
-            torch.testing.assert_close(rank[2]["params"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(rank[2]["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_moe_student_exported_at_ep2_gives_the_megatron_students_logits(moe_run):

@@ -64,8 +64,9 @@ def _check(results: dict, single: dict | None = None):
         assert rows.keys() == ref_rows.keys(), key
         assert int(rows[IDS].max()) < VOCAB, key                                   # no padded id
         assert torch.equal(rows[IDS], ref_rows[IDS]), key                         # ids identical
-        for name in rows:                                     # log-probs, LSE, realised: the GEMM's ulps at most
-            torch.testing.assert_close(rows[name], ref_rows[name], rtol=2e-6, atol=2e-6, msg=str(key))
+        for name in rows:       # log-probs, LSE, realised: the GEMM's ulps at most (blocks of 3 rows take another
+            #                     BLAS kernel than the whole GEMM: a few fp32 ulps of logits ~10, machine-dependent)
+            torch.testing.assert_close(rows[name], ref_rows[name], rtol=1e-5, atol=1e-5, msg=str(key))
         if single is not None:                                # TP > 1: the TP=1 rows
             assert torch.equal(rows[IDS], single[key][0][0][IDS]), key
 

@@ -33,13 +33,13 @@ from megatron_kd_plugin.cache import (
                                       BlendedRows,
                                       EnsembleRows,
                                       KDRows,
+                                      RankRows,
                                       RowKind,
                                       TokenBytes,
                                       TopKCacheReader,
                                       check_blend,
                                       row_kind,
                                       )
-from megatron_kd_plugin.cache.rows.rank_rows import RankRows
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "100,0,0"

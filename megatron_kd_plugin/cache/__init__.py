@@ -34,7 +34,8 @@ from megatron_kd_plugin.cache.store.format import CacheSpec
 from megatron_kd_plugin.cache.store.reader import CachedSample, TopKCacheReader
 from megatron_kd_plugin.cache.rows.row_kinds import row_kind
 from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind
+from megatron_kd_plugin.cache.rows.rank_rows import RankRows
 from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
 
-__all__ = ["BlendedRows", "CacheSpec", "CachedSample", "EnsembleRows", "KDRow", "KDRows", "RowKind", "TokenBytes",
-           "TopKCacheReader", "check_blend", "row_kind"]
+__all__ = ["BlendedRows", "CacheSpec", "CachedSample", "EnsembleRows", "KDRow", "KDRows", "RankRows", "RowKind",
+           "TokenBytes", "TopKCacheReader", "check_blend", "row_kind"]
