@@ -843,7 +843,7 @@ def test_an_existing_empty_folder_is_written_into_not_replaced(tmp_path, monkeyp
 
 
 def test_bad_tokenizer_and_jsonl_encodings_name_the_file_and_line(tmp_path):
-    from megatron_kd_plugin.cache.sources.token_windows import load_tokenizer
+    from megatron_kd_plugin.cache.sources.source_files import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {')
     with pytest.raises(ValueError, match=f"tokenizer {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json"):
