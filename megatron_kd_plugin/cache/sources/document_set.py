@@ -94,9 +94,9 @@ class DocumentSet:
             return np.zeros(0, np.int64), np.zeros(0, np.uint8)
         starts = self.offsets[documents] + begins
         stored = np.minimum(lengths, self.offsets[documents + 1] - starts)      # the rest: one appended eod
-        tokens = np.concatenate([np.append(np.asarray(self.tokens[a:a + n], dtype=np.int64),
-                                           [self.eod_id] * (m - n))
-                                 for a, n, m in zip(starts.tolist(), stored.tolist(), lengths.tolist())])
+        tokens = np.concatenate([part for a, n, m in zip(starts.tolist(), stored.tolist(), lengths.tolist())
+                                 for part in (np.asarray(self.tokens[a:a + n], dtype=np.int64),
+                                              np.full(m - n, self.eod_id, dtype=np.int64))])
         within = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)   # index in the piece
         if self.targets is None:
             last = np.repeat(begins + lengths == self.lengths[documents], lengths) & \
