@@ -3,8 +3,8 @@
 pieces (``planned_rows.py``), padding only at a row's end.
 
 Placement is best-fit decreasing: the pieces, longest first (ties in data order), each into the row whose free
-slots fit it most tightly (the most recently filled of equal ones), else a new row. It leaves no more padding than
-first-fit decreasing and is deterministic; rows are then numbered by their first piece and hold their pieces in
+slots fit it most tightly (the most recently filled of equal ones), else a new row: first-fit decreasing's bound
+(at most 11/9 of the fewest rows, plus one) with tighter rows left open for the short pieces, and deterministic; rows are then numbered by their first piece and hold their pieces in
 data order, so the first rows hold the first documents. O(P log S) for P pieces.
 """
 
