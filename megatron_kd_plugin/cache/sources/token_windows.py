@@ -76,6 +76,11 @@ class TokenWindows:
         self.tokenizer, self.tokenizer_vocab_size, self.name = tokenizer, tokenizer_vocab_size, name
         self._content = fingerprint if callable(fingerprint) else (lambda: fingerprint)
 
+    layout = "stream"
+    """The row layout (``cache/layouts/``), which the store records."""
+    packing: dict = {}
+    """How documents fill the rows: nothing to say of a stream."""
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -84,6 +89,12 @@ class TokenWindows:
         s = self.seq_length
         starts = np.arange(begin, end, dtype=np.int64)[:, None] * s + np.arange(s + 1, dtype=np.int64)[None, :]
         return self.stream[starts].astype(np.int64)
+
+    def row_masks(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(loss_mask uint8 ``[b, S]``, all ones; position_ids int32 ``[b, S]``, 0..S-1 in every row) of windows
+        begin..end-1, b = end - begin."""
+        shape = (end - begin, self.seq_length)
+        return np.ones(shape, np.uint8), np.broadcast_to(np.arange(self.seq_length, dtype=np.int32), shape).copy()
 
     @functools.cached_property
     def summary(self) -> SourceSummary:
