@@ -146,3 +146,23 @@ def test_a_stream_store_of_the_same_windows_differs_at_every_later_document(stor
         for doc, (logprobs, ids) in enumerate(per_document):
             error = float((logprobs - alone["dense"][i][doc].gather(1, ids)).abs().max())
             assert (error < 2e-5) == (doc == 0), (i, doc, error)
+
+
+def test_repair_rewrites_a_damaged_loss_mask_shard_of_a_packed_store_byte_for_byte(tmp_path):
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
+    teacher = lambda tokens, position_ids: table[tokens].transpose(0, 1)              # noqa: E731 (context-free)
+    options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, logprob_codec="fp32", progress=False)
+    store = tmp_path / "packed.zarr"
+    write_cache(HandPackedRows("packed"), teacher, store, **options)
+    clean = {path: path.read_bytes() for path in sorted(store.rglob("*")) if path.is_file()}
+    damaged = store / "loss_mask" / "c.1.0"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="loss_mask"):
+        [TopKCacheReader(store)[i] for i in (2, 3)]                                    # shard 1: samples 2, 3
+    write_cache(HandPackedRows("packed"), teacher, store, repair=True, **options)
+    assert {path: path.read_bytes() for path in sorted(store.rglob("*")) if path.is_file()} == clean
