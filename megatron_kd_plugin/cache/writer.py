@@ -501,6 +501,10 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
                 **kind_fields) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
+    ``source``: a row source (``TokenWindows`` or a documents layout's rows: ``windows``, ``row_masks``, ``layout``,
+    ``packing``); its layout is recorded in the store, its loss mask and positions stored where the format holds
+    them (``format.py``), its packing statistics recorded when the store is finished and printed (``progress``).
+
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
     ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and
     ``min_k`` for a top-p store, ``head`` for a head + draws store).
