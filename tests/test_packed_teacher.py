@@ -6,7 +6,8 @@ options are bypassed by handing ``run`` this source): a tiny random-init HF Qwen
 PP=2, a tiny Qwen3-MoE at EP=2, and the same windows as one stream. The parent compares the log-probs of every
 document of every row with transformers' float64 forward of that document alone, checks that the store's loss mask
 and positions round-trip, and that the stream store (the teacher attending across documents: issue #49's bug)
-differs from it at every document after a row's first.
+differs from it at every document after a row's first. Without a spawn (a context-free table teacher): ``--repair``
+of a damaged ``loss_mask`` shard is byte-identical, and a version-5 reader refuses a documents store by its version.
 """
 
 from __future__ import annotations
@@ -166,3 +167,18 @@ def test_repair_rewrites_a_damaged_loss_mask_shard_of_a_packed_store_byte_for_by
         [TopKCacheReader(store)[i] for i in (2, 3)]                                    # shard 1: samples 2, 3
     write_cache(HandPackedRows("packed"), teacher, store, repair=True, **options)
     assert {path: path.read_bytes() for path in sorted(store.rglob("*")) if path.is_file()} == clean
+
+
+def test_a_version_5_reader_refuses_a_packed_store_by_its_version(tmp_path, monkeypatch):
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.store import format as fmt
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
+    write_cache(HandPackedRows("document"), lambda tokens, position_ids: table[tokens].transpose(0, 1),
+                tmp_path / "s.zarr", k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
+    assert TopKCacheReader(tmp_path / "s.zarr").spec.layout == "document"
+    monkeypatch.setattr(fmt, "READ_VERSIONS", (2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"cache format version 6 is not supported \(this reader reads versions "
+                                         r"\(2, 3, 4, 5\)\)"):
+        TopKCacheReader(tmp_path / "s.zarr")
