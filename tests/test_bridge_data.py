@@ -21,7 +21,7 @@ VOCAB, SEQ, SAMPLES, K = 64, 16, 12, 4
 def bigram_teacher(seed: int = 0):
     """A tiny teacher: next-token logits from a fixed random table of the current token, [b, s] -> [s, b, V]."""
     table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    return lambda tokens: table[tokens].transpose(0, 1)
+    return lambda tokens, position_ids=None: table[tokens].transpose(0, 1)
 
 
 def source(num_samples: int = SAMPLES) -> TokenWindows:
@@ -118,7 +118,7 @@ def test_bad_stores_and_mismatched_sizes_are_refused_before_step_one(store, tmp_
     unfinished = tmp_path / "unfinished.zarr"
     calls = []
 
-    def dies_in_second_shard(tokens):
+    def dies_in_second_shard(tokens, position_ids=None):
         calls.append(1)
         if len(calls) > 4:
             raise KeyboardInterrupt("killed")

@@ -51,7 +51,7 @@ def write_hf_teacher_cache(teacher, store) -> None:
     stream = np.random.default_rng(0).integers(0, VOCAB, size=SAMPLES * SEQ + 1)
     source = TokenWindows(stream, SEQ, num_samples=SAMPLES, fingerprint=content, tokenizer="synthetic",
                           tokenizer_vocab_size=VOCAB)
-    write_cache(source, lambda tokens: hf_logits(teacher, tokens).float().transpose(0, 1), store, k=K,
+    write_cache(source, lambda tokens, position_ids: hf_logits(teacher, tokens).float().transpose(0, 1), store, k=K,
                 vocab_size=VOCAB, teacher="tiny-hf-qwen3", samples_per_shard=2, dp_rank=dist.get_rank(),
                 dp_size=dist.get_world_size(), progress=False)
 

@@ -50,7 +50,7 @@ def write_teacher_cache(store, **options) -> None:
     source = TokenWindows(stream, SEQ, num_samples=SAMPLES, fingerprint="test-bridge", tokenizer="synthetic",
                           tokenizer_vocab_size=VOCAB)
 
-    def logits_fn(tokens):                                                  # [b, s] -> [s, b, V]
+    def logits_fn(tokens, position_ids):                                    # [b, s] -> [s, b, V], stream rows
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         return teacher(tokens, positions, causal_mask(tokens.shape[1])).transpose(0, 1)           # GPTModel gives [b, s, V]
 

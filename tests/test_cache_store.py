@@ -24,7 +24,7 @@ V, S, K, N = 50, 12, 6, 11
 def table_teacher(vocab=V, seed=0):
     """logits of token t = row t of a fixed table: deterministic whatever the batch; returns [s, b, V]."""
     table = 4 * torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed))
-    return table, (lambda tokens: table[tokens].transpose(0, 1))
+    return table, (lambda tokens, position_ids=None: table[tokens].transpose(0, 1))
 
 
 def windows(n=N, seq=S, vocab=V, seed=1, **kwargs):
@@ -155,7 +155,7 @@ def test_non_finite_teacher_logits_name_sample_and_position(tmp_path):
     bad_sample, bad_position = 6, 9
     bad_token = int(source.windows(bad_sample, bad_sample + 1)[0, bad_position])
 
-    def poisoned(tokens):
+    def poisoned(tokens, position_ids=None):
         logits = logits_fn(tokens).clone()
         logits[tokens.t() == bad_token] = float("nan")  # every occurrence of that token
         return logits
@@ -554,7 +554,7 @@ def test_draws_of_a_confident_teacher_keep_their_mass_and_a_grid_codec_is_refuse
     from megatron_kd_plugin.commands.cache import main
 
     table = 6 * torch.randn(V, V, generator=torch.Generator().manual_seed(0))
-    write(tmp_path / "d", logits_fn=lambda tokens: table[tokens].transpose(0, 1), k=64, mode="sampled")
+    write(tmp_path / "d", logits_fn=lambda tokens, position_ids=None: table[tokens].transpose(0, 1), k=64, mode="sampled")
     reader = TopKCacheReader(tmp_path / "d")
     assert reader.spec.logprob_codec == fmt.DEFAULT_DRAWS_CODEC
     kind = row_kind(reader, seq_length=S)

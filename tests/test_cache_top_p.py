@@ -88,8 +88,8 @@ def test_top_p_stores_resume_split_and_repair_byte_identically(tmp_path):
 
 def _old_identity(attrs: dict) -> str:
     """A version-3 store's identity as version 3 readers compute it: SHA-256 of format, version and the fields
-    version 3 had (every field but the top-p and the head + draws ones)."""
-    fields = {f.name for f in dataclasses.fields(CacheSpec)} - set(fmt.KIND_FIELDS)
+    version 3 had (every field but the top-p, the head + draws and the documents layout ones)."""
+    fields = {f.name for f in dataclasses.fields(CacheSpec)} - set(fmt.KIND_FIELDS) - {"layout"}
     described = {key: attrs[key] for key in fields} | dict(format=attrs["format"], version=attrs["version"])
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 

@@ -546,7 +546,7 @@ def small_store(path, teacher: TokenBytes, *, n: int = 8, seq: int = 24, fingerp
     table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
     source = TokenWindows(stream, seq, num_samples=n, fingerprint=fingerprint, tokenizer="bpe",
                           tokenizer_vocab_size=V_TEACHER)
-    write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+    write_cache(source, lambda tokens, position_ids=None: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
                 teacher="table", samples_per_shard=4, logprob_codec="fp32", progress=False,
                 vocab_table=TokenBytes.from_tokenizer(teacher.tokenizer, vocab_size=V_TEACHER))
     return table
@@ -964,7 +964,7 @@ def _bridge_tp1_body(folder):
     table = 3 * torch.randn(V_TEACHER, V_TEACHER, generator=torch.Generator().manual_seed(0))
     store, plain = folder / "xtok.zarr", folder / "plain.zarr"
     for path, vocab_table in ((store, TokenBytes.from_tokenizer(teacher, vocab_size=V_TEACHER)), (plain, None)):
-        write_cache(source, lambda tokens: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
+        write_cache(source, lambda tokens, position_ids=None: table[tokens].transpose(0, 1), path, k=4, vocab_size=V_TEACHER,
                     teacher="table", samples_per_shard=4, progress=False, vocab_table=vocab_table)
     recipe = "tiny_gpt_xtok_kd_cpu_fp32_config"
     cfg = build_config(recipe, bridge_overrides(store, folder / "student.json"))

@@ -74,7 +74,7 @@ def _megatron_logits(teachers: dict, tokens: torch.Tensor) -> dict:
         chunks[0].eval()
         forward = TeacherForward(chunks, vocab_size=provider.vocab_size,
                                  tp_rank=parallel_state.get_tensor_model_parallel_rank())
-        head = forward(tokens)                                                  # hidden states + lm_head shard
+        head = forward(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))  # hidden states + lm_head shard
         out[name] = head.logits(slice(None), slice(None))                       # today's logits, formed whole
         out[f"{name} kinds"] = _kinds_blockwise_vs_whole(head, out[name], parallel_state)
         out[f"{name} padded vocab"] = padded_vocab_size(provider)

@@ -36,7 +36,7 @@ def teacher(seed: int = 0):
     import torch
 
     table = 3 * torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed))
-    return lambda tokens: table[tokens].transpose(0, 1)
+    return lambda tokens, position_ids=None: table[tokens].transpose(0, 1)
 
 
 def source(seed: int = 1) -> TokenWindows:

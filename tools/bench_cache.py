@@ -86,7 +86,7 @@ def synthetic_teacher(vocab: int, prior_scale: float = 0.9, context_scale: float
     prior = -prior_scale * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))[torch.randperm(vocab, generator=g)]
     emb = torch.randn(vocab, rank, generator=g)
     out = torch.randn(rank, vocab, generator=g) * context_scale
-    return lambda tokens: (prior + emb[tokens] @ out).transpose(0, 1)
+    return lambda tokens, position_ids=None: (prior + emb[tokens] @ out).transpose(0, 1)
 
 
 def ghost_kl(exact: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
@@ -355,7 +355,7 @@ def teacher_source(args):
     model, spec = load_gpt(args.teacher, tp_size=1)
     model.eval()
     source = indexed_dataset_windows(args.data, args.seq_length, num_samples=args.samples)
-    return source, (lambda tokens: gpt_logits(model, tokens).detach()), spec.vocab_size, f"teacher {args.teacher}"
+    return source, (lambda tokens, position_ids: gpt_logits(model, tokens).detach()), spec.vocab_size, f"teacher {args.teacher}"
 
 
 OVERHEAD_SPECS = {   # teacher shapes for --overhead: GPT-2-small-like, and a narrower 8-layer one

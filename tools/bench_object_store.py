@@ -160,7 +160,7 @@ def bench_store(folder: pathlib.Path, args) -> None:
 
     vocab, seq, k = 4096, 512, 100
     table = 4 * torch.randn(1024, vocab, generator=torch.Generator().manual_seed(0))
-    logits_fn = lambda tokens: table[tokens % 1024].transpose(0, 1)          # [s, b, V], cheap and deterministic
+    logits_fn = lambda tokens, position_ids=None: table[tokens % 1024].transpose(0, 1)          # [s, b, V], cheap and deterministic
     stream = np.random.default_rng(1).integers(0, vocab, args.samples * seq + 1)
     places = {"local disk": str(folder / "store.zarr"), "s3://": "s3://bench/store/topk"}
     rows = {}

@@ -49,7 +49,7 @@ def write_store(samples: int) -> None:
     stream = np.random.default_rng(1).integers(0, VOCAB, samples * SEQ + 1)
     source = TokenWindows(stream, SEQ, num_samples=samples, fingerprint="bench-ranks", tokenizer="bench",
                           tokenizer_vocab_size=VOCAB)
-    write_cache(source, lambda tokens: table[tokens % 1024].transpose(0, 1), URL, k=K, vocab_size=VOCAB,
+    write_cache(source, lambda tokens, position_ids=None: table[tokens % 1024].transpose(0, 1), URL, k=K, vocab_size=VOCAB,
                 teacher="bench", samples_per_shard=max(1, samples // 16), micro_batch_size=4, progress=False)
 
 

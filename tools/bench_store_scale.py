@@ -127,7 +127,7 @@ def writer(work: pathlib.Path, sizes: list[float]) -> None:
     vocab, k, per_shard, shards = 64, 4, 16, 8
     table_logits = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
 
-    def logits_fn(tokens):                               # [b, s] -> [s, b, V]
+    def logits_fn(tokens, position_ids=None):                               # [b, s] -> [s, b, V]
         return table_logits[tokens].transpose(0, 1)
 
     fastest: dict[float, list[float]] = {size: [] for size in sizes}

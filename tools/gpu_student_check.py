@@ -75,7 +75,7 @@ def write_teacher_cache(store: str, sizes, device) -> None:
                           tokenizer_vocab_size=vocab)
 
     @torch.no_grad()
-    def logits_fn(tokens):   # [b, s] -> [s, b, V]
+    def logits_fn(tokens, position_ids):   # [b, s] -> [s, b, V] (stream rows: positions 0..s-1)
         tokens = tokens.to(device)
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
         mask = None if device.type == "cuda" else torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)

@@ -1,10 +1,15 @@
 """A megatron-core GPT teacher as the cache writer's ``TeacherFn``, on any TP × PP × EP × DP layout, forward only.
 
-``TeacherForward(chunks, vocab_size=V, ...)(tokens [b, s])`` gives this rank's ``teacher_head.TeacherHidden`` (on
+``TeacherForward(chunks, vocab_size=V, ...)(tokens [b, s], position_ids [b, s])`` gives this rank's ``teacher_head.TeacherHidden`` (on
 the last pipeline stage; None on the others): the final hidden states ``[s, b, H]`` and the lm_head shard
 ``[V_pad/tp, H]``, taken through GPTModel's ``output_processor`` hook before the output layer runs, so the logits
 are formed only block by block by the fused head (``teacher_head.py``). Beyond a plain forward it does what real
 teachers need:
+
+- Documents: each row's documents are attended separately, positions restarting at every one
+  (``megatron_kd_plugin.documents``): megatron-core's local attention gets the block-diagonal causal mask
+  ``[b, 1, s, s]``; Transformer Engine's attention gets the rows as one THD batch of packed sequences
+  (``PackedSeqParams``, ``cu_seqlens`` at every document), every pipeline stage alike.
 
 - Pipeline parallelism: the batch runs as b pipeline micro-batches of one sample. A stage receives each
   micro-batch's hidden states ``[s, 1, h]`` from the previous stage (megatron-core's ``P2PCommunicator``),
@@ -28,11 +33,14 @@ Shapes: tokens int64 ``[b, s]``; hidden states ``[s, b, H]`` (megatron's ``[s, b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from megatron_kd_plugin.cache.teacher_context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
+from megatron_kd_plugin.documents import document_attention_mask, packed_seq_params
 
 
 def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_):
@@ -48,12 +56,16 @@ def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_
     return hidden_states, weight, scale_logits
 
 
-def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_ids ``[b, s]`` = 0..s−1, causal mask ``[1, 1, s, s]``: True above the diagonal) of tokens."""
-    b, s = tokens.shape
-    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1).view(1, 1, s, s)
-    return position_ids, causal_mask
+def uses_te_attention(model) -> bool:
+    """Whether ``model``'s core attention is Transformer Engine's (which takes packed sequences, not a mask)."""
+    return any(type(module).__name__.startswith("TEDotProductAttention") for module in model.modules())
+
+
+def refuse_documents_under_cp(position_ids: torch.Tensor) -> None:
+    """ValueError (one line) for rows of several documents under context parallelism."""
+    if bool((position_ids != torch.arange(position_ids.shape[1], device=position_ids.device)).any()):
+        raise ValueError("context parallelism (cp > 1) with rows of several documents (layout packed or document) "
+                         "is not supported: cache them with cp = 1")
 
 
 class TeacherForward:
@@ -90,54 +102,71 @@ class TeacherForward:
     def is_last_stage(self) -> bool:
         return self.pipeline is None or self.pipeline.is_pp_last_stage
 
-    def __call__(self, tokens: torch.Tensor) -> TeacherHidden | None:
-        """The head's inputs of tokens ``[b, s]`` on the last stage, None on the others."""
+    def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> TeacherHidden | None:
+        """The head's inputs of tokens ``[b, s]`` at ``position_ids`` ``[b, s]`` (restarting at every document) on
+        the last stage, None on the others."""
         b = tokens.shape[0]
         if self.lockstep:
             self._anyone_busy(True)
             if b < self.micro_batch_size:
                 tokens = torch.cat([tokens, tokens.new_zeros(self.micro_batch_size - b, tokens.shape[1])])
-        return self._forward(tokens, b)
+                position_ids = torch.cat([position_ids, _stream_positions(self.micro_batch_size - b, tokens.shape[1])])
+        return self._forward(tokens, position_ids, b)
 
     @torch.no_grad()
-    def _forward(self, tokens: torch.Tensor, b: int) -> TeacherHidden | None:
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, b: int) -> TeacherHidden | None:
         """The head's inputs of the first ``b`` samples of ``tokens`` (last stage; None on the others)."""
         device = next(self.model.parameters()).device
-        hidden = self._pipeline_forward(tokens.to(device)) if self.pipeline else self._stage(tokens.to(device))
+        tokens, position_ids = tokens.to(device), position_ids.to(device)
+        hidden = self._pipeline_forward(tokens, position_ids) if self.pipeline else self._stage(tokens, position_ids)
         if hidden is None:
             return None
         return TeacherHidden(hidden=hidden[:, :b], weight=self.weight, vocab_size=self.vocab_size,
                              tp_rank=self.tp_rank, scale_logits=self.scale_logits)
 
-    def _stage(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's output for tokens ``[b, s]``: hidden states ``[s, b, h]`` (on the last stage the final ones,
-        after the final norm; its lm_head shard and logit scaling kept in ``weight``, ``scale_logits``); ``hidden``
-        is the previous stage's output (None on the first stage)."""
+    def _stage(self, tokens: torch.Tensor, position_ids: torch.Tensor, hidden: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """This stage's output for tokens ``[b, s]`` at ``position_ids``: hidden states ``[s, b, h]`` (on the last
+        stage the final ones, after the final norm; its lm_head shard and logit scaling kept in ``weight``,
+        ``scale_logits``); ``hidden`` is the previous stage's output (None on the first stage)."""
+        b, s = tokens.shape
+        packed = self.cp_group is None and self.te_attention
         if hidden is not None:
-            self.model.set_input_tensor(hidden)
-        inputs = self._inputs(tokens)
+            self.model.set_input_tensor(hidden.reshape(s, b, -1).transpose(0, 1).reshape(b * s, 1, -1)
+                                        if packed else hidden)
+        inputs, extra = self._inputs(tokens, position_ids)
         if not self.is_last_stage:
-            return self.model(*inputs)
-        half = {"fp32_output": False} if self.half_precision else {}     # a bf16 head, as the output layer's GEMM
-        output, self.weight, self.scale_logits = self.model(*inputs, output_processor=head_inputs, **half)
-        return output
+            output = self.model(*inputs, **extra)
+        else:
+            half = {"fp32_output": False} if self.half_precision else {}  # a bf16 head, as the output layer's GEMM
+            output, self.weight, self.scale_logits = self.model(*inputs, output_processor=head_inputs, **half, **extra)
+        return output.reshape(b, s, -1).transpose(0, 1) if packed else output    # THD [b·s, 1, h] -> [s, b, h]
 
-    def _inputs(self, tokens: torch.Tensor) -> tuple:
-        """(tokens, position ids, attention mask) of the model call: this CP rank's slice under CP (no mask: the
-        attention's own causal mask), else the whole window."""
-        position_ids, mask = causal_inputs(tokens)
-        if self.cp_group is None:
-            return tokens, position_ids, mask
-        return slice_tokens(tokens, self.cp_group), slice_tokens(position_ids, self.cp_group), None
+    @functools.cached_property
+    def te_attention(self) -> bool:
+        return uses_te_attention(self.model)
 
-    def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+    def _inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> tuple[tuple, dict]:
+        """((tokens, position ids, attention mask), keyword arguments) of the model call: this CP rank's slice under
+        CP (no mask: the attention's own causal mask; one document per row only); with Transformer Engine's attention
+        the rows as one THD sequence of packed documents ``[1, b·s]``; else the rows and their block-diagonal causal
+        mask."""
+        if self.cp_group is not None:
+            refuse_documents_under_cp(position_ids)
+            return (slice_tokens(tokens, self.cp_group), slice_tokens(position_ids, self.cp_group), None), {}
+        if self.te_attention:
+            return ((tokens.reshape(1, -1), position_ids.reshape(1, -1), None),
+                    {"packed_seq_params": packed_seq_params(position_ids)})
+        return (tokens, position_ids, document_attention_mask(position_ids)), {}
+
+    def _pipeline_forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
         """Every sample of ``tokens [b, s]`` through the pipeline as its own micro-batch (see the module docstring)."""
         pipeline, config = self.pipeline, self.model.config
         shape = (tokens.shape[1] // cp_size_of(self.cp_group), 1, config.hidden_size)   # [s/cp, 1, h]
         outputs = []
-        for sample in tokens.split(1):
+        for sample, positions in zip(tokens.split(1), position_ids.split(1)):
             hidden = None if pipeline.is_pp_first_stage else pipeline.recv_forward(shape, is_first_stage=False)
-            output = self._stage(sample, hidden)
+            output = self._stage(sample, positions, hidden)
             if self.is_last_stage:
                 outputs.append(output)
             else:
@@ -156,5 +185,11 @@ class TeacherForward:
         if not self.lockstep:
             return
         dummy = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.int64)
+        positions = _stream_positions(self.micro_batch_size, self.seq_length)
         while self._anyone_busy(False):
-            self._forward(dummy, 0)
+            self._forward(dummy, positions, 0)
+
+
+def _stream_positions(b: int, s: int) -> torch.Tensor:
+    """int64 ``[b, s]``: 0..s-1 in every row (rows of one document each, e.g. the pad rows of a lock-step batch)."""
+    return torch.arange(s).expand(b, s).clone()

@@ -58,9 +58,11 @@ from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_label_logprobs
 from megatron_kd_plugin.cache.teacher_context_parallel import check_cp_seq_length, cp_size_of, gather_rows, rank_chunks
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, TeacherOutput, head_rows, teacher_output
 
-TeacherFn = Callable[[torch.Tensor], "TeacherOutput | torch.Tensor | None"]
-"""tokens int64 ``[b, s]`` -> this rank's teacher output: a ``teacher_head.TeacherHidden`` (hidden states and lm_head
-shard), or vocab-parallel logits ``[s, b, V/tp]``; None on pipeline stages before the last."""
+TeacherFn = Callable[[torch.Tensor, torch.Tensor], "TeacherOutput | torch.Tensor | None"]
+"""(tokens int64 ``[b, s]``, position_ids int64 ``[b, s]``) -> this rank's teacher output: a
+``teacher_head.TeacherHidden`` (hidden states and lm_head shard), or vocab-parallel logits ``[s, b, V/tp]``; None on
+pipeline stages before the last. The positions restart at 0 at every document of a row, and the teacher attends
+within each document only (``megatron_kd_plugin.documents``); a stream row is one document, 0..s-1."""
 
 
 @dataclass(kw_only=True)
@@ -284,22 +286,25 @@ def teacher_rows(output: TeacherOutput | torch.Tensor, spec: fmt.CacheSpec, *, f
     return gather_rows(rows, finite, cp_group)
 
 
-def compute_shard(windows: np.ndarray, teacher_fn: TeacherFn, spec: fmt.CacheSpec, *, first_sample: int,
-                  micro_batch_size: int, tp_group, stats: WriteStats, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  cp_group=None) -> dict[str, np.ndarray]:
-    """The arrays of one shard from its token windows ``[P, S+1]`` (ids sorted ascending per row), each filled in
-    place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); ``chunk_bytes``: the
-    fused head's block budget (:func:`teacher_rows`); ``cp_group``: the teacher's context-parallel group (``teacher_fn``
-    gives this rank's slice, the rows are whole on every rank)."""
-    names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS)]
+def compute_shard(windows: np.ndarray, row_masks: tuple[np.ndarray, np.ndarray], teacher_fn: TeacherFn,
+                  spec: fmt.CacheSpec, *, first_sample: int, micro_batch_size: int, tp_group, stats: WriteStats,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, cp_group=None) -> dict[str, np.ndarray]:
+    """The arrays of one shard from its token windows ``[P, S+1]`` and their ``row_masks`` (loss_mask uint8 ``[P, S]``,
+    position_ids int32 ``[P, S]``; the row source's), the teacher's ids sorted ascending per row, each filled in
+    place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); the row masks are
+    stored where the store's schema holds them. ``chunk_bytes``: the fused head's block budget (:func:`teacher_rows`);
+    ``cp_group``: the teacher's context-parallel group (``teacher_fn`` gives this rank's slice, the rows are whole on
+    every rank)."""
+    stored_masks = dict(zip((fmt.LOSS_MASK, fmt.POSITION_IDS), row_masks))
+    names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS, *stored_masks)]
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
     out: dict[str, np.ndarray] = {}
-    tokens = torch.from_numpy(windows)
+    tokens, positions = torch.from_numpy(windows), torch.from_numpy(row_masks[1]).long()
     for start in range(0, len(windows), micro_batch_size):
         batch = tokens[start:start + micro_batch_size, :-1]                     # [b, s]
         begin = time.perf_counter()
         with torch.no_grad():
-            output = teacher_fn(batch)                                           # hidden [s, b, H] + lm_head shard
+            output = teacher_fn(batch, positions[start:start + micro_batch_size])  # hidden [s, b, H] + lm_head shard
         stats.forward_seconds += time.perf_counter() - begin
         if output is None:          # a pipeline stage before the last: it holds no logits and writes nothing
             stats.tokens += batch.numel()
@@ -318,7 +323,11 @@ def compute_shard(windows: np.ndarray, teacher_fn: TeacherFn, spec: fmt.CacheSpe
                 out[name] = np.empty((len(windows),) + values.shape[1:], dtype=dtypes.get(name, np.float32))
             out[name][start:start + len(values)] = values
         stats.tokens += batch.numel()
-    return {fmt.TOKENS: windows.astype(np.int32)} | out if out else {}
+    if not out:
+        return {}
+    schema = fmt.sample_arrays(spec)
+    return {fmt.TOKENS: windows.astype(np.int32)} | {name: values for name, values in stored_masks.items()
+                                                     if name in schema} | out
 
 
 def store_shard(group: zarr.Group, spec: fmt.CacheSpec, shard: int, arrays: dict[str, np.ndarray],
@@ -353,10 +362,10 @@ def owned_shards(num_shards: int, dp_rank: int, dp_size: int) -> range:
     return range(begin, begin + per + (dp_rank < extra))
 
 
-def finish(output: pathlib.Path, spec: fmt.CacheSpec, lock=None) -> None:
-    """Marks the store complete (one atomic attribute rewrite), after checking that every shard is written and that
-    this run still holds the writers' ``lock``; deletes the temporaries killed runs left (every writer of this run
-    is done)."""
+def finish(output: pathlib.Path, spec: fmt.CacheSpec, lock=None, packing: dict | None = None) -> None:
+    """Marks the store complete (one atomic attribute rewrite, which also records the row source's ``packing``
+    statistics when it has any), after checking that every shard is written and that this run still holds the
+    writers' ``lock``; deletes the temporaries killed runs left (every writer of this run is done)."""
     if lock is not None:
         lock.check()
     group = fmt.open_group(output, mode="r+")
@@ -364,7 +373,15 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec, lock=None) -> None:
     if missing:
         raise ValueError(f"cannot finish {output}: samples {fmt.describe_ranges(missing)} are not written")
     fmt.remove_partials(output)
-    group.attrs.update(complete=True)
+    group.attrs.update(complete=True, **({"packing": packing} if packing else {}))
+
+
+def describe_packing(packing: dict) -> str:
+    """One line of a row source's packing statistics (``{"documents": n, "efficiency": tokens / slots, ...}``)."""
+    known = [f"{packing['documents']} documents"] * ("documents" in packing)
+    known += [f"packing efficiency {packing['efficiency']:.1%} (document tokens / row slots)"] * ("efficiency" in packing)
+    others = [f"{key} {value}" for key, value in packing.items() if key not in ("documents", "efficiency")]
+    return ", ".join(known + others)
 
 
 def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool,
@@ -434,7 +451,8 @@ def _write_shards(output: pathlib.Path, spec: fmt.CacheSpec, source: TokenWindow
     try:
         for shard in todo:
             begin, end = spec.shard_range(shard)
-            arrays = compute_shard(source.windows(begin, end), teacher_fn, spec, first_sample=begin,
+            arrays = compute_shard(source.windows(begin, end), source.row_masks(begin, end), teacher_fn, spec,
+                                   first_sample=begin,
                                    micro_batch_size=micro_batch_size, tp_group=tp_group, stats=stats,
                                    chunk_bytes=chunk_bytes, cp_group=cp_group)
             if in_flight is not None:
@@ -483,6 +501,10 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
                 **kind_fields) -> WriteStats:
     """Writes (or resumes) the store at ``output``; call on every rank with the same arguments.
 
+    ``source``: a row source (``TokenWindows`` or a documents layout's rows: ``windows``, ``row_masks``, ``layout``,
+    ``packing``); its layout is recorded in the store, its loss mask and positions stored where the format holds
+    them (``format.py``), its packing statistics recorded when the store is finished and printed (``progress``).
+
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
     ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and
     ``min_k`` for a top-p store, ``head`` for a head + draws store).
@@ -507,6 +529,7 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
     output = fmt.store_location(output)
     share_summary(source)
     spec = fmt.CacheSpec(k=k, vocab_size=vocab_size, seq_length=source.seq_length, num_samples=len(source),
+                         layout=source.layout,
                          temperature=temperature, teacher=teacher, tokenizer=source.tokenizer,
                          fingerprint=source.fingerprint, logprob_codec=logprob_codec,
                          samples_per_shard=samples_per_shard, store_logsumexp=store_logsumexp, mode=mode,
@@ -530,8 +553,10 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
         if after_shards is not None:
             after_shards()
         _barrier()
-        _agreed(finish, output, spec, lock)
+        _agreed(finish, output, spec, lock, source.packing)
         _barrier()
+        if progress and source.packing and _world()[0] == 0:
+            print(f"{source.name}: {describe_packing(source.packing)}", flush=True)
     finally:
         lock.release()
     return stats

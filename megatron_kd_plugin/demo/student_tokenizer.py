@@ -247,7 +247,7 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
     source = TokenWindows(stream_of(tok_a, train_texts), seq, num_samples=None, fingerprint="demo-crosstok",
                           tokenizer="A", tokenizer_vocab_size=vocab)
     # the teacher: hard labels through the same CPU path, on a store whose teacher part it ignores (alpha = 0)
-    zero = lambda tokens: torch.zeros(tokens.shape[1], tokens.shape[0], vocab)       # noqa: E731
+    zero = lambda tokens, position_ids: torch.zeros(tokens.shape[1], tokens.shape[0], vocab)       # noqa: E731
     plain = out / "ce_rows.zarr"
     write_cache(source, zero, plain, k=1, vocab_size=vocab, teacher="none", samples_per_shard=16, progress=False,
                 overwrite=True)
@@ -256,7 +256,7 @@ def prepare(cfg: CrossTokConfig, out: pathlib.Path, student_tokenizer: str, reus
         f"model.num_layers={cfg.teacher_layers}", f"model.hidden_size={cfg.teacher_hidden}",
         f"model.ffn_hidden_size={4 * cfg.teacher_hidden}", "model.num_attention_heads=4"))
     torch.save(teacher.state_dict(), out / TEACHER_WEIGHTS)
-    write_cache(source, lambda tokens: logits_of(teacher, tokens).transpose(0, 1), store, k=cfg.k, vocab_size=vocab,
+    write_cache(source, lambda tokens, position_ids: logits_of(teacher, tokens).transpose(0, 1), store, k=cfg.k, vocab_size=vocab,
                 teacher="demo-crosstok-teacher", samples_per_shard=16, progress=False, vocab_table=table_a,
                 overwrite=True)
     row = dict(name=f"teacher (A, {cfg.teacher_layers}x{cfg.teacher_hidden})",

@@ -13,6 +13,8 @@ Layout for N samples of S tokens, top-K, shards of P samples (``samples_per_shar
     teacher_realised_logprob  (cross-tokenizer stores only, see below) log-prob codec [N, S] chunks [1, S] shards [P, S]  NaN
     teacher_vocab_offsets     (cross-tokenizer stores only) int64 [V+1] one chunk                                        -1
     teacher_vocab_bytes       (cross-tokenizer stores only) uint8 [vocab_bytes] one chunk                                 0
+    loss_mask          uint8   [N, S]    (documents layouts only, version 6) chunks [1, S] shards [P, S]      255
+    position_ids       int32   [N, S]    (documents layouts only) delta filter, blosc-zstd, same chunks/shards  -1
     chunk_records      uint32  [N, A]    one chunk [P, A] per shard, uncompressed — binds each chunk (below);
                                          written last: a shard is written when its chunk_records file exists   0
     .writer.lock       an empty file; every process of a writing run holds a POSIX lock on it (``lock.py``)
@@ -86,6 +88,14 @@ temperature, teacher and tokenizer identity, source-data fingerprint, log-prob c
 temperature, sample seed; top_p and min_k in top-p stores only), ``identity`` (versions 3 to 5) and ``complete``
 (versions 2 to 4 also ``progress``).
 
+Documents (``layout`` "packed" or "document", ``cache --layout``, issue #49, format version 6): the rows hold whole
+documents, each attended by the teacher within itself only, with positions restarting at 0 at its first token
+(``megatron_kd_plugin.documents``). ``loss_mask[i, t]`` = 1 when the label ``tokens[i, t+1]`` is a loss target
+(0 at a document's last token, on padding and on prompt tokens); ``position_ids[i, t]`` counts up from 0 within each
+document. A stream store (version 5, and every earlier version) holds neither: its loss mask reads as all ones and
+its positions as 0..S-1 (``reader.py``). Version 6 is written only for documents, so a version-5 reader refuses
+such a store by its version.
+
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
 arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), each file replaced
 atomically by zarr's LocalStore. A killed run restarted with the same settings redoes only the shards whose records
@@ -120,7 +130,7 @@ from zarr.errors import ZarrUserWarning
 
 from megatron_kd_plugin.cache.store import storage
 from megatron_kd_plugin.cache.store.array_names import (ARRAYS, IDS, LOGPROBS, LOGSUMEXP,  # noqa: F401
-                                                        PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
+                                                        LOSS_MASK, POSITION_IDS, PROPOSAL_LOGNORM, REALISED_LOGPROB, RECORDS, SHARD_DONE, TOKENS,
                                                         VOCAB_BYTES, VOCAB_OFFSETS, VOCAB_TABLE)
 from megatron_kd_plugin.cache.kinds import MODES, STORE_KINDS, StoreKind, check_kind_fields, store_kind
 from megatron_kd_plugin.cache.store.lock import LOCK_NAME, WriterLock
@@ -138,7 +148,15 @@ top-p truncation (``top_p``, ``min_k``: rows with padding slots), written only f
 reader refused them by their version; 3: the attributes' SHA-256 identity and ``chunk_records`` binding every chunk to
 its place (2: without them; read with a warning); 2 to 4: CRC32C on every chunk and fill values no written chunk
 holds (1: neither; refused, see :meth:`CacheSpec.from_attrs`)."""
-READ_VERSIONS = (2, 3, 4, 5)
+DOCUMENTS_VERSION = 6
+"""The version of a store whose rows are documents (``layout`` "packed" or "document", issue #49): version 5 plus the
+``layout`` attribute and the per-sample arrays ``loss_mask`` and ``position_ids``; written only for those stores, so a
+version-5 reader refuses them by their version instead of training on their rows as one stream. A ``stream`` store
+stays version 5: its loss mask is all ones and its positions 0..S-1, which every reader supplies."""
+READ_VERSIONS = (2, 3, 4, 5, 6)
+LAYOUTS = ("stream", "packed", "document")
+"""How a store's rows hold its documents (``cache/layouts/``): one token stream cut into windows; whole documents
+packed into rows, attended within each document only; one document per row, padded."""
 KIND_FIELDS = tuple(dict.fromkeys(name for kind in STORE_KINDS for name in kind.described_fields))
 """The :class:`CacheSpec` fields that only one kind's stores carry in their attributes and identity (top-p: ``top_p``,
 ``min_k``; head + draws: ``head``; ``kinds.StoreKind.described_fields``)."""
@@ -247,6 +265,9 @@ class CacheSpec:
     padding (log-prob -inf, id 0, first in the row). None: every row holds its top-K."""
     min_k: int | None = None
     """The least number of ids a top-p store keeps per token (``--min-k``, 1 <= min_k <= k); None without top_p."""
+    layout: str = "stream"
+    """A key of :data:`LAYOUTS`. Not "stream": the store is version :data:`DOCUMENTS_VERSION`, records ``layout`` (in
+    its attributes and identity) and holds ``loss_mask`` and ``position_ids``; a stream store carries neither."""
     head: int = 0
     """Head + draws (``--head H --draws N``, mode "sampled", k = H + N): per token the exact top-H ids first, then N
     ids drawn from the teacher restricted to the rest of the vocabulary (``head_draws.py``). 0: draws only."""
@@ -272,6 +293,8 @@ class CacheSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logprob_codec not in LOGPROB_CODECS:
             raise ValueError(f"logprob_codec={self.logprob_codec!r}; choose one of {sorted(LOGPROB_CODECS)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}; choose one of {list(LAYOUTS)}")
 
     @property
     def kind(self) -> StoreKind:
@@ -289,14 +312,21 @@ class CacheSpec:
         return REALISED_CODEC if codec.grid is not None else codec
 
     @property
+    def documents(self) -> bool:
+        """Whether the rows are documents (a layout other than "stream"): the store holds their loss mask and
+        positions."""
+        return self.layout != "stream"
+
+    @property
     def format_version(self) -> int:
-        """The version a store of this spec is written in (:data:`FORMAT_VERSION`)."""
-        return FORMAT_VERSION
+        """The version a store of this spec is written in (:data:`DOCUMENTS_VERSION` for documents, else
+        :data:`FORMAT_VERSION`)."""
+        return DOCUMENTS_VERSION if self.documents else FORMAT_VERSION
 
     def described(self) -> dict[str, Any]:
         """The fields as attributes: every field, those only one kind carries (:data:`KIND_FIELDS`) only for a store
-        of that kind."""
-        absent = set(KIND_FIELDS) - set(self.kind.described_fields)
+        of that kind, ``layout`` only for documents (a stream store's attributes and identity are version 5's)."""
+        absent = set(KIND_FIELDS) - set(self.kind.described_fields) | ({"layout"} if not self.documents else set())
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in absent}
 
     @property
@@ -347,6 +377,10 @@ class CacheSpec:
         if attrs["version"] < 5 and (attrs["version"] == 4) != (spec.top_p is not None):
             raise ValueError(f"format version {attrs['version']} with top_p={spec.top_p}: version 4 is the top-p "
                              "stores' (and only theirs); the attributes were edited or the file is damaged")
+        if attrs["version"] != spec.format_version and (attrs["version"] == DOCUMENTS_VERSION or spec.documents):
+            raise ValueError(f"format version {attrs['version']} with layout={spec.layout!r}: version "
+                             f"{DOCUMENTS_VERSION} is the documents layouts' (and only theirs); the attributes were "
+                             "edited or the file is damaged")
         return spec
 
     def differences(self, other: "CacheSpec") -> dict[str, tuple[Any, Any]]:
@@ -485,6 +519,12 @@ def _create_arrays(group: zarr.Group, spec: CacheSpec, version: int | None = Non
     for name in [LOGSUMEXP] * spec.store_logsumexp + list(spec.kind.token_arrays(spec)):
         create(name, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="float32",
                compressors=[_blosc(4), Crc32cCodec()], fill_value=nan, dimension_names=("sample", "position"))
+    if spec.documents:
+        create(LOSS_MASK, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="uint8",
+               compressors=[_blosc(1), Crc32cCodec()], fill_value=255, dimension_names=("sample", "position"))
+        create(POSITION_IDS, shape=(n, s), chunks=(1, s), shards=(p, s), dtype="int32",
+               filters=[numcodecs_zarr3.Delta(dtype="<i4")], compressors=[_blosc(4), Crc32cCodec()], fill_value=-1,
+               dimension_names=("sample", "position"))
     if spec.cross_tokenizer:
         realised = spec.realised_codec
         create(REALISED_LOGPROB, shape=(n, s), chunks=(1, s), shards=(p, s), dtype=realised.dtype,
@@ -635,7 +675,8 @@ def open_store(path, mode: str = "r") -> tuple[zarr.Group, CacheSpec]:
     expected = _expected_documents(spec, version)
     implied = (f"k={spec.k}, seq_length={spec.seq_length}, num_samples={spec.num_samples}, "
                f"samples_per_shard={spec.samples_per_shard}, mode={spec.mode!r}, logprob_codec={spec.logprob_codec!r}"
-               f", store_logsumexp={spec.store_logsumexp}, vocab_bytes={spec.vocab_bytes}, version={version}")
+               f", store_logsumexp={spec.store_logsumexp}, vocab_bytes={spec.vocab_bytes}, layout={spec.layout!r}, "
+               f"version={version}")
     for name in sorted(expected.keys() | documents.keys()):
         if name not in documents or name not in expected:
             where = "is missing" if name not in documents else "should not exist"

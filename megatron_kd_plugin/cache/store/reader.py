@@ -3,7 +3,8 @@
 ``reader[i]`` is sample i, a :class:`CachedSample`: its tokens ``[S+1]`` and its teacher ``[S, K]`` in the store
 kind's type (``kinds.StoreKind.teacher``): a ``TopKTeacher`` (ids sorted ascending per row, log-probs) or, for
 draws (K = N), a ``SampledTeacher`` whose importance weights w = (1/N)·p/q the kind computes from the stored l (and
-G when t != 1); with the teacher's full-vocab logsumexp ``[S]`` when stored.
+G when t != 1); with the teacher's full-vocab logsumexp ``[S]`` when stored, and the row's loss mask and positions
+``[S]`` (stored in documents stores; all ones and 0..S-1 in stream stores, ``format.py``).
 A cross-tokenizer store's samples also carry the realised log-prob ``[S]`` and ``reader.vocab_table()`` is the teacher
 tokenizer's byte table (``token_bytes.TokenBytes``). A student's training rows are read by the store's kind of rows
 (``rows/kd_rows.py``). Opening refuses an unfinished store and one whose metadata do not match its attributes
@@ -36,6 +37,8 @@ class CachedSample(NamedTuple):
     teacher: TopKTeacher | SampledTeacher    # [S, K]: ids int64, log-probs (and weights) float32
     logsumexp: torch.Tensor | None           # [S] float32 the teacher's full-vocab logsumexp; None: not stored
     realised_logprob: torch.Tensor | None    # [S] float32 log-prob of each realised token; None: not stored
+    loss_mask: torch.Tensor                  # [S] uint8: 1 where the label tokens[t+1] is a loss target
+    position_ids: torch.Tensor               # [S] int64: restart at 0 at every document (stream: 0..S-1)
 
 
 _WORKERS = ("a store on object storage is read by the training process itself (its read-ahead threads do not "
@@ -136,4 +139,13 @@ class TopKCacheReader:
         optional = [torch.from_numpy(arrays[name].astype(np.float32)) if name in arrays else None
                     for name in (fmt.LOGSUMEXP, fmt.REALISED_LOGPROB)]
         return CachedSample(torch.from_numpy(arrays[fmt.TOKENS].astype(np.int64)),
-                            self.spec.kind.teacher(self.spec, rows), *optional)
+                            self.spec.kind.teacher(self.spec, rows), *optional, *self._row_masks(arrays))
+
+    def _row_masks(self, arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_mask uint8 ``[S]``, position_ids int64 ``[S]``) of a sample's ``arrays``: the stored ones of a
+        documents store, all ones and 0..S-1 for a stream store (every store of format version 5 or earlier)."""
+        s = self.spec.seq_length
+        if fmt.LOSS_MASK not in arrays:
+            return torch.ones(s, dtype=torch.uint8), torch.arange(s)
+        return (torch.from_numpy(arrays[fmt.LOSS_MASK].copy()),
+                torch.from_numpy(arrays[fmt.POSITION_IDS].astype(np.int64)))

@@ -1,0 +1,184 @@
+"""Packed rows through the cache tool: every document attended alone, against transformers' own forward of it alone.
+
+One spawn of two gloo ranks runs the tool's command body (``commands.cache.run``) on a row source of documents packed
+by hand (:class:`HandPackedRows`, a test-local row source as the writer's contract describes; the tool's data
+options are bypassed by handing ``run`` this source): a tiny random-init HF Qwen3 teacher at TP=1 (DP=2), TP=2 and
+PP=2, a tiny Qwen3-MoE at EP=2, and the same windows as one stream. The parent compares the log-probs of every
+document of every row with transformers' float64 forward of that document alone, checks that the store's loss mask
+and positions round-trip, and that the stream store (the teacher attending across documents: issue #49's bug)
+differs from it at every document after a row's first. Without a spawn (a context-free table teacher): ``--repair``
+of a damaged ``loss_mask`` shard is byte-identical, and a version-5 reader refuses a documents store by its version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.hf_models import hf_logits
+
+S, K, EOD = 16, 8, 0
+ROWS = [[5, 7, 4], [9, 7], [16], [3, 6, 7]]          # document lengths of each row (each row exactly S tokens)
+COMMON = ["--seq-length", str(S), "--topk", str(K), "--samples-per-shard", "2", "--micro-batch-size", "2",
+          "--logprob-codec", "fp32", "--store-logsumexp", "--no-progress"]
+LAYOUTS = {          # store name: (teacher, layout of the rows, extra flags); world = 2 ranks
+    "dense_tp1": ("dense", "packed", []),
+    "dense_tp2": ("dense", "packed", ["--tp", "2"]),
+    "dense_pp2": ("dense", "packed", ["--pp", "2"]),
+    "moe_ep2": ("moe", "packed", ["--ep", "2"]),
+    "dense_stream": ("dense", "stream", []),
+}
+
+
+class HandPackedRows:
+    """A row source (the writer's contract) of documents packed by hand: row i holds documents of ``ROWS[i]``
+    tokens, each ending with ``EOD``; positions restart at every document; a document's last position has loss mask 0
+    (its label is the next document's first token). ``layout="stream"``: the same windows as one stream (loss mask
+    all ones, positions 0..S-1), what today's tool caches."""
+
+    seq_length, tokenizer, tokenizer_vocab_size, name = S, "hand-packed", None, "hand-packed documents"
+
+    def __init__(self, layout: str):
+        rng = np.random.default_rng(0)
+        self.layout = layout
+        self.documents = [[np.append(rng.integers(2, 1000, length - 1), EOD) for length in row] for row in ROWS]
+        self.tokens = np.stack([np.append(np.concatenate(row), EOD) for row in self.documents])      # [N, S+1]
+        self.packing = {"documents": sum(map(len, ROWS)), "efficiency": 1.0} if layout != "stream" else {}
+        self.position_ids = np.stack([np.concatenate([np.arange(len(d)) for d in row]) for row in self.documents])
+        self.loss_mask = np.stack([np.concatenate([np.arange(len(d)) < len(d) - 1 for d in row])
+                                   for row in self.documents]).astype(np.uint8)
+        if layout == "stream":
+            self.position_ids = np.broadcast_to(np.arange(S), self.tokens[:, 1:].shape).copy()
+            self.loss_mask = np.ones_like(self.loss_mask)
+        from megatron_kd_plugin.cache.sources.token_windows import SourceSummary
+
+        digest = hashlib.sha256(self.tokens.tobytes() + layout.encode()).hexdigest()
+        self.summary = SourceSummary(digest, int(self.tokens.min()), int(self.tokens.max()))
+
+    def __len__(self) -> int:
+        return len(ROWS)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.summary.fingerprint
+
+    def token_range(self) -> tuple[int, int]:
+        return self.summary.low, self.summary.high
+
+    def windows(self, begin: int, end: int) -> np.ndarray:
+        return self.tokens[begin:end].astype(np.int64)
+
+    def row_masks(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.loss_mask[begin:end].copy(), self.position_ids[begin:end].astype(np.int32)
+
+
+def _write_stores(teachers: dict, work: str) -> None:
+    """Every store of LAYOUTS, written by the command body on this rank (its data source: :class:`HandPackedRows`)."""
+    from megatron.core import parallel_state
+
+    from megatron_kd_plugin.cache.sources import token_windows
+    from megatron_kd_plugin.commands.cache import parse_args, run
+
+    parallel_state.destroy_model_parallel()            # run_on_ranks' TP=1 state: each store makes its own
+    for name, (teacher, layout, flags) in LAYOUTS.items():
+        token_windows.open_source = lambda *args, layout=layout, **kwargs: HandPackedRows(layout)
+        run(parse_args(["--teacher", teachers[teacher], "--data", f"{work}/unused.jsonl",
+                        "--output", f"{work}/{name}.zarr", *COMMON, *flags]))
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
+    """({store name: reader}, {teacher: float64 log-probs of every document alone, [row][document] -> [len, V]})."""
+    from megatron_kd_plugin.cache import TopKCacheReader
+
+    work = tmp_path_factory.mktemp("packed_teacher")
+    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe))
+    run_on_ranks(2, _write_stores, teachers, str(work), tp=1, timeout=600)
+    rows = HandPackedRows("packed")
+    alone = {name: [[torch.log_softmax(hf_logits(folder, torch.from_numpy(doc)[None])[0], -1) for doc in row]
+                    for row in rows.documents] for name, folder in teachers.items()}
+    return {name: TopKCacheReader(work / f"{name}.zarr") for name in LAYOUTS}, alone, rows
+
+
+def _document_logprobs(sample, documents) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(stored top-K log-probs [len, K], their ids [len, K])] of each document of a cached sample."""
+    spans = np.cumsum([0] + [len(d) for d in documents])
+    return [(sample.teacher.logprobs[a:b].double(), sample.teacher.ids[a:b]) for a, b in zip(spans[:-1], spans[1:])]
+
+
+@pytest.mark.parametrize("name", ["dense_tp1", "dense_tp2", "dense_pp2", "moe_ep2"])
+def test_every_document_of_a_packed_row_equals_transformers_forward_of_it_alone(stores, name):
+    readers, alone, rows = stores
+    reference = alone[LAYOUTS[name][0]]
+    for i, documents in enumerate(rows.documents):
+        for doc, (logprobs, ids) in enumerate(_document_logprobs(readers[name][i], documents)):
+            expected = reference[i][doc].gather(1, ids)                                      # [len, K]
+            assert torch.allclose(logprobs, expected, atol=2e-5, rtol=0), (name, i, doc)
+            assert torch.equal(ids.sort(1).values, reference[i][doc].topk(K).indices.sort(1).values), (name, i, doc)
+
+
+def test_the_store_records_the_layout_loss_mask_positions_and_packing(stores):
+    readers, _, rows = stores
+    from megatron_kd_plugin.cache.store import format as fmt
+
+    packed, stream = readers["dense_tp1"], readers["dense_stream"]
+    assert (packed.spec.layout, packed.group.attrs["version"]) == ("packed", fmt.DOCUMENTS_VERSION)
+    assert packed.group.attrs["packing"] == {"documents": sum(map(len, ROWS)), "efficiency": 1.0}
+    for i in range(len(rows)):
+        assert torch.equal(packed[i].loss_mask, torch.from_numpy(rows.loss_mask[i]))
+        assert torch.equal(packed[i].position_ids, torch.from_numpy(rows.position_ids[i]).long())
+    # a stream store is version 5, as before: no layout attribute, no mask arrays; it reads all ones and 0..S-1
+    assert stream.group.attrs["version"] == fmt.FORMAT_VERSION and "layout" not in stream.group.attrs
+    assert fmt.LOSS_MASK not in stream.group and fmt.POSITION_IDS not in stream.group
+    assert torch.equal(stream[0].loss_mask, torch.ones(S, dtype=torch.uint8))
+    assert torch.equal(stream[0].position_ids, torch.arange(S))
+
+
+def test_a_stream_store_of_the_same_windows_differs_at_every_later_document(stores):
+    """The bug of issue #49: cached as one stream, the teacher attends to the documents before."""
+    readers, alone, rows = stores
+    for i, documents in enumerate(rows.documents):
+        per_document = _document_logprobs(readers["dense_stream"][i], documents)
+        for doc, (logprobs, ids) in enumerate(per_document):
+            error = float((logprobs - alone["dense"][i][doc].gather(1, ids)).abs().max())
+            assert (error < 2e-5) == (doc == 0), (i, doc, error)
+
+
+def test_repair_rewrites_a_damaged_loss_mask_shard_of_a_packed_store_byte_for_byte(tmp_path):
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
+    teacher = lambda tokens, position_ids: table[tokens].transpose(0, 1)              # noqa: E731 (context-free)
+    options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, logprob_codec="fp32", progress=False)
+    store = tmp_path / "packed.zarr"
+    write_cache(HandPackedRows("packed"), teacher, store, **options)
+    clean = {path: path.read_bytes() for path in sorted(store.rglob("*")) if path.is_file()}
+    damaged = store / "loss_mask" / "c.1.0"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="loss_mask"):
+        [TopKCacheReader(store)[i] for i in (2, 3)]                                    # shard 1: samples 2, 3
+    write_cache(HandPackedRows("packed"), teacher, store, repair=True, **options)
+    assert {path: path.read_bytes() for path in sorted(store.rglob("*")) if path.is_file()} == clean
+
+
+def test_a_version_5_reader_refuses_a_packed_store_by_its_version(tmp_path, monkeypatch):
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.store import format as fmt
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
+    write_cache(HandPackedRows("document"), lambda tokens, position_ids: table[tokens].transpose(0, 1),
+                tmp_path / "s.zarr", k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
+    assert TopKCacheReader(tmp_path / "s.zarr").spec.layout == "document"
+    monkeypatch.setattr(fmt, "READ_VERSIONS", (2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"cache format version 6 is not supported \(this reader reads versions "
+                                         r"\(2, 3, 4, 5\)\)"):
+        TopKCacheReader(tmp_path / "s.zarr")
