@@ -4,7 +4,8 @@
 
 ``parsers()`` gives each command line's parser without running the command: each command builds its parser in its
 ``main`` (or ``parse_args``), so ``main`` is called with ``parse_args`` replaced by one that hands the parser back
-before anything else happens. ``demo`` has one parser per demo (``demo --mixture`` ...). The docs test
+before anything else happens. ``demo`` has one parser per demo (``demo --mixture`` ...), ``plan`` a second one for
+``plan --cache``. The docs test
 (tests/test_docs.py) checks the committed page against ``markdown()`` and every command line in the docs against
 ``parsers()``.
 """
@@ -49,6 +50,8 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     for command, module in COMMANDS.items():
         if command != "demo":
             out[command] = parser_of(module, [])
+            if command == "plan":
+                out["plan --cache"] = parser_of(module, ["--cache"])      # the cache command's plan
             continue
         out["demo"] = parser_of(DEFAULT_DEMO, [])
         for flag, (demo_module, _switch) in DEMOS.items():

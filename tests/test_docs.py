@@ -103,6 +103,8 @@ def command_problems(line: str) -> list[str]:
             command = f"demo {named[0]}" if named else "demo"
             if named and reference.DEMOS[named[0]][1]:   # a switch the dispatcher takes off
                 args = [arg for arg in args if arg != named[0]]
+        if command == "plan" and "--cache" in args:
+            command, args = "plan --cache", [arg for arg in args if arg != "--cache"]
         if command not in parsers():
             problems.append(f"{line.strip()!r}: no command {command!r}")
             continue

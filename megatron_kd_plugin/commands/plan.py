@@ -3,6 +3,11 @@
     python -m megatron_kd_plugin plan --recipe qwen3_8b_to_0p6b_kd_768k_1gpu_h200_bf16_config [overrides] \\
         [--hf-path STUDENT] [--gpu-memory 140]
     python -m megatron_kd_plugin plan --published [--hf-path QWEN3_1P7B]   # gpt-oss vocabulary, 32K x 4 tokens
+    python -m megatron_kd_plugin plan --cache --teacher HF_DIR --seq-length 32768 --tp 2 --ep 4 [cache flags]
+
+``--cache`` plans the cache command instead (``megatron_kd_plugin/cache/cache_plan.py``: weights, one layer's forward,
+the fused head's block, the writer's shard buffer), from the teacher folder's config.json and the cache command's
+flags of the same names.
 
 The recipes take the student's architecture from its HF checkpoint (``--hf-path``: a folder, of which only
 config.json is read, or a hub id, fetched like the train command fetches it).
@@ -369,7 +374,76 @@ def fused_head_notes(plan: MemoryPlan) -> tuple[str, ...]:
             f"long sequences or large vocabularies the fused head is the smallest.",)
 
 
+def cache_main(argv: list[str]) -> int:
+    """``plan --cache``: the cache command's memory per GPU (``cache/cache_plan.py``)."""
+    import torch
+
+    from megatron_kd_plugin.cache.cache_plan import CacheLayout, format_cache_plan, plan_cache, teacher_shape
+    from megatron_kd_plugin.cache.store import format as fmt
+    from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES
+    from megatron_kd_plugin.commands.cache import DTYPES, check_world
+
+    p = argparse.ArgumentParser(prog="megatron_kd_plugin plan --cache", description=cache_main.__doc__)
+    p.add_argument("--teacher", required=True, help="Hugging Face checkpoint folder (only config.json is read)")
+    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher forward")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context"), ("--ep", "expert")):
+        p.add_argument(flag, type=int, default=1, help=f"{what}-parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: the cache command's)")
+    p.add_argument("--topk", type=int, default=None, help="K of a top-K store (default 100)")
+    p.add_argument("--draws", type=int, default=None, help="N draws of a sampled store (instead of --topk)")
+    p.add_argument("--head", type=int, default=None, help="with --draws: the exact top-H ids first")
+    p.add_argument("--top-p", type=float, default=None, help="top-p store (with --topk as the cap)")
+    p.add_argument("--min-k", type=int, default=None, help="a top-p store's floor")
+    p.add_argument("--logprob-codec", default=None, choices=sorted(fmt.LOGPROB_CODECS))
+    p.add_argument("--store-logsumexp", action="store_true")
+    p.add_argument("--head-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the fused head's block budget")
+    p.add_argument("--samples-per-shard", type=int, default=None, help="default: 2^20 / --seq-length")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(set(DTYPES) - {"auto"}),
+                   help="the teacher's parameter dtype on the GPU (default bfloat16)")
+    p.add_argument("--attention", default="flash", choices=["flash", "local"],
+                   help="flash: Transformer Engine / flash attention (no [s, s]); local: megatron-core's (CPU)")
+    p.add_argument("--gpu-memory", type=float, default=140.0, help="GPU memory in GiB (default: an H200's 140)")
+    args = p.parse_args(argv)
+    if args.topk is not None and args.draws is not None:
+        p.error("--topk and --draws exclude each other: a store holds the top-K or N draws per token")
+    try:
+        from megatron_kd_plugin.models.hf import hf_model_provider
+
+        provider = hf_model_provider(args.teacher, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                     expert_parallel=args.ep, expert_tensor_parallel=args.etp, load_weights=False,
+                                     inference=True)
+        provider.context_parallel_size = args.cp
+        etp = provider.expert_tensor_parallel_size
+        check_world(math.lcm(args.tp * args.cp * args.pp, etp * args.ep * args.pp), tp=args.tp, pp=args.pp,
+                    ep=args.ep, etp=etp, cp=args.cp)
+        sampled = args.draws is not None
+        slots = args.draws + (args.head or 0) if sampled else 100 if args.topk is None else args.topk
+        spec = fmt.CacheSpec(k=slots, vocab_size=provider.vocab_size, seq_length=args.seq_length,
+                             num_samples=args.samples_per_shard or fmt.default_samples_per_shard(args.seq_length),
+                             samples_per_shard=args.samples_per_shard, mode="sampled" if sampled else "topk",
+                             logprob_codec=args.logprob_codec, store_logsumexp=args.store_logsumexp,
+                             top_p=args.top_p, min_k=1 if args.top_p is not None and args.min_k is None else args.min_k,
+                             head=args.head or 0)
+        layout = CacheLayout(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, tp=args.tp,
+                             cp=args.cp, etp=etp, spec=spec, param_bytes=DTYPES[args.dtype].itemsize,
+                             head_chunk_bytes=args.head_chunk_bytes, attention=args.attention)
+        plan = plan_cache(teacher_shape(provider), layout)
+    except ValueError as error:
+        print(f"plan: error: {error}", file=sys.stderr)
+        return 2
+    flags = " ".join(argv)
+    title = (f"cache layout: {flags}\n  {provider.num_layers} layers, H={provider.hidden_size}, V="
+             f"{provider.vocab_size:,}, {spec.k} slots, {spec.samples_per_shard} samples a shard, "
+             f"{args.attention} attention, {args.dtype} weights")
+    print(format_cache_plan(plan, args.gpu_memory, title))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cache" in argv:
+        return cache_main([a for a in argv if a != "--cache"])
     parser = argparse.ArgumentParser(prog="megatron_kd_plugin plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="--recipe, --config-file, --hf-path, --seq-length and the overrides are "
