@@ -37,7 +37,9 @@ def test_the_head_block_and_the_shard_buffer_are_what_the_cache_allocates():
 
     spec = plan_layout.spec
     windows = np.random.default_rng(0).integers(0, V, (3, S + 1))
-    arrays = compute_shard(windows, lambda tokens: torch.randn(S, tokens.shape[0], V), spec, first_sample=0,
+    masks = (np.ones((3, S), np.uint8), np.tile(np.arange(S, dtype=np.int32), (3, 1)))   # a stream shard's
+    arrays = compute_shard(windows, masks, lambda tokens, position_ids: torch.randn(S, tokens.shape[0], V), spec,
+                           first_sample=0,
                            micro_batch_size=B, tp_group=None, stats=WriteStats())
     assert shard_buffer_bytes(spec) == windows.nbytes + sum(a.nbytes for a in arrays.values())
 

@@ -20,7 +20,7 @@ folder)."""
 
 # Lowest first. A unit is a subpackage or a top-level module of the package.
 LAYERS = (
-    {"cpu_compat", "kernels"},
+    {"cpu_compat", "kernels", "documents"},
     {"loss", "models"},
     {"cache", "bridge"},
     {"recipes"},
