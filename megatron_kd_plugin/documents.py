@@ -19,13 +19,22 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.long().cumsum(dim=1) - 1
 
 
+def several_documents(position_ids: torch.Tensor) -> bool:
+    """Whether any row of position_ids ``[b, S]`` holds more than one document (else every row is 0..S-1's run)."""
+    return bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any())
+
+
+def causal_mask(s: int, device=None) -> torch.Tensor:
+    """bool ``[1, 1, s, s]``: True above the diagonal (rows of one document each)."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
+
+
 def document_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """bool ``[b, 1, S, S]`` of position_ids ``[b, S]``: True where query i must not attend key j (j > i, or j in
     another document)."""
     documents = document_ids(position_ids)
     s = position_ids.shape[1]
-    later = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).triu(1)
-    return (later | (documents[:, :, None] != documents[:, None, :])).unsqueeze(1)
+    return causal_mask(s, position_ids.device) | (documents[:, :, None] != documents[:, None, :]).unsqueeze(1)
 
 
 def packed_seq_params(position_ids: torch.Tensor):

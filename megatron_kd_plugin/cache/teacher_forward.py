@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_kd_plugin.cache.teacher_context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
-from megatron_kd_plugin.documents import document_attention_mask, packed_seq_params
+from megatron_kd_plugin.documents import causal_mask, document_attention_mask, packed_seq_params, several_documents
 
 
 def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_):
@@ -63,7 +63,7 @@ def uses_te_attention(model) -> bool:
 
 def refuse_documents_under_cp(position_ids: torch.Tensor) -> None:
     """ValueError (one line) for rows of several documents under context parallelism."""
-    if bool((position_ids != torch.arange(position_ids.shape[1], device=position_ids.device)).any()):
+    if several_documents(position_ids):
         raise ValueError("context parallelism (cp > 1) with rows of several documents (layout packed or document) "
                          "is not supported: cache them with cp = 1")
 
@@ -130,11 +130,11 @@ class TeacherForward:
         stage the final ones, after the final norm; its lm_head shard and logit scaling kept in ``weight``,
         ``scale_logits``); ``hidden`` is the previous stage's output (None on the first stage)."""
         b, s = tokens.shape
-        packed = self.cp_group is None and self.te_attention
+        packed = self.cp_group is None and self.te_attention and several_documents(position_ids)
         if hidden is not None:
             self.model.set_input_tensor(hidden.reshape(s, b, -1).transpose(0, 1).reshape(b * s, 1, -1)
                                         if packed else hidden)
-        inputs, extra = self._inputs(tokens, position_ids)
+        inputs, extra = self._inputs(tokens, position_ids, packed)
         if not self.is_last_stage:
             output = self.model(*inputs, **extra)
         else:
@@ -146,17 +146,20 @@ class TeacherForward:
     def te_attention(self) -> bool:
         return uses_te_attention(self.model)
 
-    def _inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> tuple[tuple, dict]:
+    def _inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor, packed: bool) -> tuple[tuple, dict]:
         """((tokens, position ids, attention mask), keyword arguments) of the model call: this CP rank's slice under
-        CP (no mask: the attention's own causal mask; one document per row only); with Transformer Engine's attention
-        the rows as one THD sequence of packed documents ``[1, b·s]``; else the rows and their block-diagonal causal
-        mask."""
+        CP (no mask: the attention's own causal mask; one document per row only); rows of one document each as
+        before documents existed (the causal mask ``[1, 1, s, s]``); rows of several documents with Transformer
+        Engine's attention (``packed``) as one THD sequence of packed documents ``[1, b·s]``, on local attention
+        with their block-diagonal causal mask ``[b, 1, s, s]``."""
         if self.cp_group is not None:
             refuse_documents_under_cp(position_ids)
             return (slice_tokens(tokens, self.cp_group), slice_tokens(position_ids, self.cp_group), None), {}
-        if self.te_attention:
+        if packed:
             return ((tokens.reshape(1, -1), position_ids.reshape(1, -1), None),
                     {"packed_seq_params": packed_seq_params(position_ids)})
+        if not several_documents(position_ids):
+            return (tokens, position_ids, causal_mask(tokens.shape[1], tokens.device)), {}
         return (tokens, position_ids, document_attention_mask(position_ids)), {}
 
     def _pipeline_forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:

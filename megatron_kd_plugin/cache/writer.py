@@ -378,10 +378,10 @@ def finish(output: pathlib.Path, spec: fmt.CacheSpec, lock=None, packing: dict |
 
 def describe_packing(packing: dict) -> str:
     """One line of a row source's packing statistics (``{"documents": n, "efficiency": tokens / slots, ...}``)."""
-    known = [f"{packing['documents']} documents"] * ("documents" in packing)
-    known += [f"packing efficiency {packing['efficiency']:.1%} (document tokens / row slots)"] * ("efficiency" in packing)
-    others = [f"{key} {value}" for key, value in packing.items() if key not in ("documents", "efficiency")]
-    return ", ".join(known + others)
+    named = {"documents": lambda n: f"{n} documents",
+             "efficiency": lambda e: f"packing efficiency {e:.1%} (document tokens / row slots)"}
+    keys = [key for key in named if key in packing] + [key for key in packing if key not in named]
+    return ", ".join(named[key](packing[key]) if key in named else f"{key} {packing[key]}" for key in keys)
 
 
 def _prepare_shared(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool, repair: bool,
