@@ -196,7 +196,7 @@ def test_several_documents_are_refused_under_context_and_pipeline_parallelism():
 
     batch = packed_batch()
     with pytest.raises(ValueError, match=r"^model.context_parallel_size=2 with rows of several documents"):
-        row_attention(batch.position_ids, seq_length=S, te_attention=False, device=torch.device("cpu"), cp_size=2)
+        row_attention(batch.position_ids, te_attention=False, device=torch.device("cpu"), cp_size=2)
     for first, last in ((True, False), (False, True)):
         with pytest.raises(ValueError, match=r"^model.pipeline_model_parallel_size > 1 with rows of several"):
             get_kd_batch(iter([batch]), is_first_stage=first, is_last_stage=last)
@@ -218,9 +218,9 @@ def test_rows_of_one_document_keep_the_plain_causal_attention():
 
     positions = torch.stack([torch.arange(S), torch.arange(S) + 40])
     for te_attention in (False, True):
-        attention = row_attention(positions, seq_length=S, te_attention=te_attention, device=torch.device("cpu"))
+        attention = row_attention(positions, te_attention=te_attention, device=torch.device("cpu"))
         assert attention.packed_seq_params is None and torch.equal(attention.attention_mask, causal_mask(S))
-    packed = row_attention(packed_batch().position_ids, seq_length=S, te_attention=True, device=torch.device("cpu"))
+    packed = row_attention(packed_batch().position_ids, te_attention=True, device=torch.device("cpu"))
     assert packed.attention_mask is None
     assert packed.packed_seq_params.cu_seqlens_q.tolist() == [0, 12, 19, 32, 64]
 

@@ -42,10 +42,9 @@ class RowAttention(NamedTuple):
     """THD packed sequences (Transformer Engine's attention): the rows are then folded into one [1, b·S] sequence."""
 
 
-def row_attention(position_ids: torch.Tensor | None, *, seq_length: int, te_attention: bool, device: torch.device,
-                  cp_size: int = 1) -> RowAttention:
-    """The attention of a batch of rows of ``seq_length`` tokens from its host position_ids [b, seq_length] (None: a
-    middle pipeline stage's, which reads no rows: one document per row).
+def row_attention(position_ids: torch.Tensor, *, te_attention: bool, device: torch.device, cp_size: int = 1
+                  ) -> RowAttention:
+    """The attention of a batch of rows from its host position_ids [b, S], for this rank's S/cp tokens of each row.
 
     Rows of one document each keep plain causal attention (``_causal_mask_off_cuda``); a batch with a row of several
     documents gets each document attending within itself: Transformer Engine's attention (``te_attention``) the
@@ -53,8 +52,8 @@ def row_attention(position_ids: torch.Tensor | None, *, seq_length: int, te_atte
     Several documents under context parallelism (``cp_size`` > 1) are refused: megatron-core's load-balanced CP
     split cuts across documents.
     """
-    if position_ids is None or not several_documents(position_ids):
-        return RowAttention(_causal_mask_off_cuda(seq_length))
+    if not several_documents(position_ids):
+        return RowAttention(_causal_mask_off_cuda(position_ids.shape[1] // cp_size))
     if cp_size > 1:
         raise ValueError(f"model.context_parallel_size={cp_size} with rows of several documents (a packed or "
                          "document store): context parallelism would split documents; use 1")
@@ -64,20 +63,18 @@ def row_attention(position_ids: torch.Tensor | None, *, seq_length: int, te_atte
 
 
 def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp_group=None,
-                 te_attention: bool = False, seq_length: int | None = None) -> tuple[KDRow | None, RowAttention]:
+                 te_attention: bool = False) -> tuple[KDRow | None, RowAttention | None]:
     """This stage's part of the next batch (a batch-first ``KDRow``), on the model's device, cut to this rank's S/cp
     tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``), and its attention
     (``row_attention`` for the model's attention, Transformer Engine's or not: ``te_attention``; from the rows'
     position ids before they leave the host, so no device-to-host read).
 
-    Middle pipeline stages consume nothing and get None (their input arrives from the previous stage) and the plain
-    causal attention of rows of ``seq_length`` (the model's); the first stage's row holds tokens and position_ids,
-    the last stage's labels, loss_mask, the teacher and each row's source (both: all). Rows of several documents
-    with more than one stage are refused (ValueError).
+    Middle pipeline stages consume nothing and get (None, None) (their input arrives from the previous stage); the
+    first stage's row holds tokens and position_ids, the last stage's labels, loss_mask, the teacher and each row's
+    source (both: all). Rows of several documents with more than one stage are refused (ValueError).
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if not (is_first_stage or is_last_stage):
-        return None, row_attention(None, seq_length=seq_length, te_attention=te_attention, device=device)
+        return None, None
     batch = next(data_iterator)
     if not isinstance(batch, KDRow):
         raise ValueError(f"the KD step's data iterator yielded a {type(batch).__name__}; it must yield KDRow "
@@ -85,9 +82,9 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp
     if not (is_first_stage and is_last_stage) and several_documents(batch.position_ids):
         raise ValueError("model.pipeline_model_parallel_size > 1 with rows of several documents (a packed or "
                          "document store): the KD step hands only one-stage models their documents' attention; use 1")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    attention = row_attention(batch.position_ids, seq_length=batch.position_ids.shape[1] // cp_size,
-                              te_attention=te_attention, device=device, cp_size=cp_size)
+    attention = row_attention(batch.position_ids, te_attention=te_attention, device=device, cp_size=cp_size)
     batch = batch._replace(**{} if is_first_stage else dict(tokens=None, position_ids=None),
                            **{} if is_last_stage else dict(labels=None, loss_mask=None, teacher=None, source=None))
     batch = tensor_map(lambda t: t.to(device, non_blocking=True), batch)
@@ -189,8 +186,9 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
     batch, attention = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
                                     is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp,
-                                    te_attention=uses_te_attention(model), seq_length=config.seq_length)
-    batch = batch if batch is not None else KDRow(None, None, None, None, None)
+                                    te_attention=uses_te_attention(model))
+    if batch is None:   # a middle pipeline stage: rows of one document (several are refused with PP > 1)
+        batch, attention = KDRow(None, None, None, None, None), RowAttention(_causal_mask_off_cuda(config.seq_length))
     thd = attention.packed_seq_params is not None
     sequence_first = functools.partial(_sequence_first, thd=thd)
     context = None
