@@ -7,7 +7,9 @@ the steps on each document alone, and the pieces that make it so.
 - The KD step (``kd_forward_step``) on a real megatron-core GPTModel (the tiny recipe's student: non-TE layers, CPU,
   fp32) over gloo at TP = 1 and TP = 2, with RoPE and with learned absolute positions: a batch of a packed row (three
   documents, positions restarting, loss mask 0 at each document's last token and on a prompt) and a stream row gives
-  the summed loss, token count and every parameter gradient of the four documents run alone, each as its own row.
+  the summed loss, token count and every parameter gradient of the four documents run alone, each as its own row;
+  so does the step's THD path (rows folded, ``PackedSeqParams``), through a stand-in for TE's attention that runs
+  each packed sequence alone.
 - The refusals: several documents under context or pipeline parallelism, documents stores with CP/PP > 1 before step
   one, a cross-tokenizer student on a documents store.
 
@@ -133,6 +135,33 @@ def _step(state, model, batches) -> dict:
             "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()}}
 
 
+class TEDotProductAttentionStandIn(torch.nn.Module):
+    """Named as Transformer Engine's core attention, which the KD step looks for (``documents.uses_te_attention``)."""
+
+
+class THDGPTModel(torch.nn.Module):
+    """Stands in for a GPTModel on Transformer Engine's THD attention (TE needs CUDA): the step's folded rows
+    [1, b·S] are cut at ``cu_seqlens`` and each packed sequence runs through the real CPU model alone; their final
+    hidden states, concatenated [b·S, 1, H], go to the step's output processor with the model's lm_head."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt, self.attention = gpt, TEDotProductAttentionStandIn()
+        self.config, self.pg_collection = gpt.config, gpt.pg_collection
+
+    def forward(self, *, input_ids, position_ids, attention_mask, labels, output_processor, output_processor_context,
+                packed_seq_params):
+        from megatron_kd_plugin.documents import causal_mask
+
+        assert attention_mask is None and input_ids.shape[0] == 1 and packed_seq_params.qkv_format == "thd"
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        hidden = torch.cat([self.gpt(input_ids[:, a:b], position_ids[:, a:b], causal_mask(b - a),
+                                     output_processor=lambda *, hidden_states, **_: hidden_states)
+                            for a, b in zip(bounds, bounds[1:])])                               # [b·S, 1, H]
+        return output_processor(hidden_states=hidden, output_layer=self.gpt.output_layer, output_weight=None,
+                                context=output_processor_context)
+
+
 def _student_case(tp: int, position_embedding: str) -> dict:
     """The packed batch vs its documents alone at tensor parallelism ``tp`` (this rank's gradient shards)."""
     from megatron.bridge.training.state import GlobalState
@@ -154,9 +183,13 @@ def _student_case(tp: int, position_embedding: str) -> dict:
     batch = packed_batch()
     packed, alone = _step(state, model, [batch]), _step(state, model, documents_alone(batch))
     across = _step(state, model, [batch._replace(position_ids=torch.arange(S).expand(2, S))])  # attends across
+    thd = _step(state, THDGPTModel(model), [batch])
+    thd["grads"] = {name.removeprefix("gpt."): grad for name, grad in thd["grads"].items()}
     errors = {name: float((packed["grads"][name] - grad).abs().max()) for name, grad in alone["grads"].items()}
-    return {"packed": packed["loss"], "alone": alone["loss"], "across": across["loss"],
-            "tokens": (packed["tokens"], alone["tokens"]), "grad_errors": errors,
+    thd_errors = {name: float((thd["grads"][name] - grad).abs().max()) for name, grad in alone["grads"].items()}
+    return {"packed": packed["loss"], "alone": alone["loss"], "across": across["loss"], "thd": thd["loss"],
+            "tokens": (packed["tokens"], alone["tokens"], thd["tokens"]), "grad_errors": errors,
+            "thd_grad_errors": thd_errors,
             "grad_scale": max(float(g.abs().max()) for g in alone["grads"].values()),
             "names": sorted(alone["grads"])}
 
@@ -174,18 +207,21 @@ def student_runs():
 @pytest.mark.parametrize("embedding", ["rope", "learned_absolute"])
 def test_a_step_on_a_packed_row_equals_the_steps_on_each_document_alone(student_runs, tp, embedding):
     """Loss sum, token count and every parameter's gradient (this rank's shard at TP = 2) of the packed batch equal
-    the sums over its documents run alone, to fp32 rounding (measured: 1e-7 relative, gradients 3e-7 of their
+    the sums over its documents run alone, on megatron-core's local attention (the mask) and as THD packed sequences
+    (``THDGPTModel``: the step's folding, ``cu_seqlens`` and the loss's [b·S, 1] order), to fp32 rounding (measured: 1e-7 relative, gradients 3e-7 of their
     largest); attending across the documents (the same rows with stream positions) moves the loss by ~1e-3 of it
     (an untrained student attends almost uniformly), far beyond that."""
     for rank in student_runs:
         case = rank[(tp, embedding)]
         expected_tokens = 2 * S - len(DOCUMENTS) - PROMPT
-        assert case["tokens"] == (expected_tokens, expected_tokens)
+        assert case["tokens"] == (expected_tokens,) * 3
         assert case["packed"] == pytest.approx(case["alone"], rel=1e-6, abs=0), case
+        assert case["thd"] == pytest.approx(case["alone"], rel=1e-6, abs=0), case
         assert abs(case["across"] - case["alone"]) > 1e-4 * abs(case["alone"]), case
         assert case["grad_scale"] > 0 and len(case["names"]) >= 10
-        worst = max(case["grad_errors"].items(), key=lambda item: item[1])
-        assert worst[1] <= 1e-6 * max(1.0, case["grad_scale"]), (worst, case["grad_scale"])
+        for errors in (case["grad_errors"], case["thd_grad_errors"]):
+            worst = max(errors.items(), key=lambda item: item[1])
+            assert worst[1] <= 1e-6 * max(1.0, case["grad_scale"]), (worst, case["grad_scale"])
     one = student_runs[0][(1, embedding)]
     assert student_runs[0][(tp, embedding)]["packed"] == pytest.approx(one["packed"], rel=1e-6)   # TP-invariant
 
