@@ -92,7 +92,7 @@ def _cp_case(tp: int) -> dict:
 
     # 1. every per-token tensor is sliced like the tokens: the rows this rank's position ids name
     full = _full_batch(S, sampled=True)
-    local = get_kd_batch(iter([full]), is_first_stage=True, is_last_stage=True, cp_group=cp_group)
+    local, _ = get_kd_batch(iter([full]), is_first_stage=True, is_last_stage=True, cp_group=cp_group)
     out["sliced"] = {index: torch.equal(mine, whole[:, rows])
                      for index, (mine, whole) in enumerate(zip(_tensors(local), _tensors(full), strict=True))}
     out["sliced"]["count"] = len(out["sliced"]) == 7                    # 4 row tensors, 3 of the teacher's

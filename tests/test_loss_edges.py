@@ -133,3 +133,47 @@ def test_gradients_formed_in_forward_are_handed_over_once(options):
     result.loss_sum.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="supports one backward per forward"):
         result.loss_sum.backward()
+
+
+LOSS_PATHS = PATHS + [dict(impl="fused", tail="renorm")]   # the last: the renorm K-rows path (no labels)
+
+
+def _loss_of(case, path, **options):
+    """run_loss with CE mixed in (alpha 0.5) except on the renorm K-rows path, which takes no labels."""
+    with_labels = path.get("tail") != "renorm"
+    return run_loss(case, with_labels=with_labels, alpha=0.5 if with_labels else 1.0, **options, **path)
+
+
+@pytest.mark.parametrize("tail", ["ghost", "none", "renorm"])
+def test_masked_out_tokens_count_nothing_whatever_their_teacher_rows(tail):
+    """Tokens of loss_mask 0 (prompts, padding, a document's last token: issue 49) add nothing to KD, CE, the
+    token count or the gradients, in every path: their teacher rows made all padding (-inf, a store that keeps no
+    teacher rows there) and their labels -100 give the loss and gradients of the intact rows."""
+    case = make_case(s=3, b=11, vocab=40, k=5)
+    masked = case["loss_mask"] == 0
+    assert 3 <= masked.sum() < masked.numel()
+    blanked = dict(case, teacher_ids=torch.where(masked[..., None], 0, case["teacher_ids"]),
+                   teacher_logprobs=torch.where(masked[..., None], -torch.inf, case["teacher_logprobs"]),
+                   labels=torch.where(masked, -100, case["labels"]))
+    for path in LOSS_PATHS:
+        path = dict(path, tail=tail)
+        ref, ref_dh, ref_dw = _loss_of(case, path)
+        got, dh, dw = _loss_of(blanked, path)
+        assert int(got.num_tokens) == int((~masked).sum()) == int(ref.num_tokens), path
+        assert rel_err(got.loss_sum, ref.loss_sum) < 1e-12, path
+        assert rel_err(dh, ref_dh) < 1e-12 and rel_err(dw, ref_dw) < 1e-12, path
+        assert not dh[masked].any(), path   # a masked position's hidden state gets no gradient
+
+
+def test_a_batch_whose_loss_mask_is_all_zero_gives_zero_loss_not_nan():
+    """A microbatch with no counted token (one DP rank's share of prompt-only rows): loss 0, num_tokens 0, every
+    report pair [0, 0] (a log leaves out figures of no tokens) and zero gradients, in every path; megatron-core then
+    divides by max(num_tokens, 1) (``forward_step_calc_loss``; over DP in ``finalize_model_grads``), so 0, not NaN."""
+    case = make_case(s=2, b=5, vocab=30, k=4, dtype=torch.float32)
+    case["loss_mask"] = torch.zeros_like(case["loss_mask"])
+    for path in LOSS_PATHS:
+        got, dh, dw = _loss_of(case, path)
+        assert got.loss_sum == 0 and got.num_tokens == 0, path
+        assert all(pair[1] == 0 for pair in got.report.values()), path
+        assert all(pair[0] == 0 for name, pair in got.report.items() if name != "student top-K mass"), path
+        assert not dh.any() and not dw.any(), path

@@ -104,7 +104,7 @@ def dense_forward_step(teacher, alpha: float):
         return alpha * kl_sum + (1 - alpha) * ce_sum, num_tokens.int(), report
 
     def step(state, data_iterator, model):
-        batch = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
+        batch, _ = get_kd_batch(data_iterator, is_first_stage=True, is_last_stage=True)
         position_ids, causal = causal_inputs(batch.tokens)
         with torch.no_grad():
             teacher_lp = torch.log_softmax(teacher(batch.tokens, position_ids, causal).float(), -1)  # [b, s, V]

@@ -69,7 +69,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     options and parallelism (``RowKind.check``: e.g. a sampled store needs kd.tail='sampled', a cross-tokenizer
     student no context parallelism; options measured to leave a healed student worse than it started are refused, or
     warned about before step one: ``loss.options.check_training_options``); with context parallelism 2·cp divides
-    seq_length; virtual pipelines and multi-token-prediction heads, which the KD step does not handle, are off.
+    seq_length; virtual pipelines and multi-token-prediction heads, which the KD step does not handle, are off; rows
+    of several documents come without context or pipeline parallelism (``check_document_parallelism``).
     """
     if not isinstance(cfg.dataset, TopKCacheDatasetProvider):
         raise ValueError(f"cfg.dataset is a {type(cfg.dataset).__name__}; a KD run needs a TopKCacheDatasetProvider")
@@ -88,11 +89,26 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     check_parallel_sizes_divide_world(model)
     check_expert_parallel(model, get_world_size_safe())   # megatron-core would assert it when the model is set up
     heal = cfg.checkpoint.pretrained_checkpoint is not None
+    kinds = cfg.dataset.row_kinds(vocab_size=model.vocab_size)
+    check_document_parallelism(model, [str(source) for source, kind in kinds.items() if kind.documents])
     warned = {}                                          # each warning once, however many stores give it
-    for kind in cfg.dataset.row_kinds(vocab_size=model.vocab_size).values():
+    for kind in kinds.values():
         warned.update(dict.fromkeys(kind.check(cfg.kd, context_parallel_size=model.context_parallel_size, heal=heal)))
     for warning in warned:
         warnings.warn(warning)   # before step one (the train command checks twice: once here, once in validate)
+
+
+def check_document_parallelism(model, stores: list[str]) -> None:
+    """ValueError (one line naming the setting and the store) when ``stores``, the run's stores whose rows may hold
+    several documents (layout ``packed`` or ``document``), meet context parallelism (megatron-core's load-balanced
+    split would cut documents) or pipeline parallelism (the KD step hands only a one-stage model each document's
+    attention: ``forward_step.row_attention``)."""
+    for name in ("context_parallel_size", "pipeline_model_parallel_size"):
+        size = getattr(model, name)
+        if stores and size > 1:
+            raise ValueError(f"model.{name}={size} with {stores[0]}, whose rows hold several documents (layout packed "
+                             "or document): the KD step trains them with no context or pipeline parallelism; use 1, "
+                             "or a store cached with --layout stream")
 
 
 def check_parallel_sizes_divide_world(model) -> None:

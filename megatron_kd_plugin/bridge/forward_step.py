@@ -2,7 +2,10 @@
 
 Per microbatch: ``get_kd_batch`` takes this stage's part of the next ``cache.KDRow`` (Bridge's own batch function
 keeps only tokens/labels/loss_mask/position_ids/attention_mask), on the model's device and cut for context
-parallelism (``context_parallel``); the model runs with GPTModel's ``output_processor`` hook, which hands the
+parallelism (``context_parallel``), with its attention (``row_attention``: plain causal for rows of one document;
+rows of several documents, a packed or per-document store's, attend within each document: the block-diagonal mask
+on megatron-core's local attention, packed sequences (THD, the rows folded into one) on Transformer Engine's,
+``megatron_kd_plugin.documents``); the model runs with GPTModel's ``output_processor`` hook, which hands the
 final-norm hidden states [s, b, H] (or [s/tp, b, H] with sequence parallelism), this rank's lm_head shard [V/tp, H]
 and a ``loss.KDLossInputs`` to ``loss.kd_loss`` (no [s, b, V/tp] logits; the loss maps hidden into the TP region
 itself, so dX is all-reduced, or reduce-scattered, in backward); ``kd_loss_func`` returns Megatron's 3-tuple
@@ -14,36 +17,85 @@ through megatron-core's rerun state machine as Bridge's own loss does.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
 from megatron_kd_plugin.cache import KDRow
+from megatron_kd_plugin.documents import (causal_mask, document_attention_mask, packed_seq_params, several_documents,
+                                          uses_te_attention)
 from megatron_kd_plugin.loss import KDLossInputs, KDLossResult, kd_loss, tensor_map
 
 
-def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp_group=None) -> KDRow | None:
-    """This stage's part of the next batch (a batch-first ``KDRow``), on the model's device, cut to this rank's S/cp
-    tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``).
+class RowAttention(NamedTuple):
+    """The attention arguments of the model call for a batch of rows (``megatron_kd_plugin.documents``)."""
 
-    Middle pipeline stages consume nothing and get None (their input arrives from the previous stage); the first
-    stage's row holds tokens and position_ids, the last stage's labels, loss_mask, the teacher and each row's source
-    (both: all).
+    attention_mask: torch.Tensor | None
+    """bool [b or 1, 1, S, S], True = masked; None: the attention's own causal mask (GPU) or packed sequences."""
+    packed_seq_params: PackedSeqParams | None = None
+    """THD packed sequences (Transformer Engine's attention): the rows are then folded into one [1, b·S] sequence."""
+
+
+def row_attention(position_ids: torch.Tensor, *, te_attention: bool, device: torch.device, cp_size: int = 1
+                  ) -> RowAttention:
+    """The attention of a batch of rows from its host position_ids [b, S], for this rank's S/cp tokens of each row.
+
+    Rows of one document each keep plain causal attention (``_causal_mask_off_cuda``); a batch with a row of several
+    documents gets each document attending within itself: Transformer Engine's attention (``te_attention``) the
+    documents as packed sequences, megatron-core's local attention the block-diagonal causal mask (on any device).
+    Several documents under context parallelism (``cp_size`` > 1) are refused: megatron-core's load-balanced CP
+    split cuts across documents.
+    """
+    if not several_documents(position_ids):
+        return RowAttention(_causal_mask_off_cuda(position_ids.shape[1] // cp_size))
+    if cp_size > 1:
+        raise ValueError(f"model.context_parallel_size={cp_size} with rows of several documents (a packed or "
+                         "document store): context parallelism would split documents; use 1")
+    if te_attention:
+        return RowAttention(None, packed_seq_params(position_ids, device))
+    return RowAttention(document_attention_mask(position_ids).to(device, non_blocking=True))
+
+
+def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp_group=None,
+                 te_attention: bool = False) -> tuple[KDRow | None, RowAttention | None]:
+    """This stage's part of the next batch (a batch-first ``KDRow``), on the model's device, cut to this rank's S/cp
+    tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``), and its attention
+    (``row_attention`` for the model's attention, Transformer Engine's or not: ``te_attention``; from the rows'
+    position ids before they leave the host, so no device-to-host read).
+
+    Middle pipeline stages consume nothing and get (None, None) (their input arrives from the previous stage); the
+    first stage's row holds tokens and position_ids, the last stage's labels, loss_mask, the teacher and each row's
+    source (both: all). Rows of several documents with more than one stage are refused (ValueError).
     """
     if not (is_first_stage or is_last_stage):
-        return None
+        return None, None
     batch = next(data_iterator)
     if not isinstance(batch, KDRow):
         raise ValueError(f"the KD step's data iterator yielded a {type(batch).__name__}; it must yield KDRow "
                          "batches (a TopKCacheDatasetProvider's datasets)")
+    if not (is_first_stage and is_last_stage) and several_documents(batch.position_ids):
+        raise ValueError("model.pipeline_model_parallel_size > 1 with rows of several documents (a packed or "
+                         "document store): the KD step hands only one-stage models their documents' attention; use 1")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    attention = row_attention(batch.position_ids, te_attention=te_attention, device=device, cp_size=cp_size)
     batch = batch._replace(**{} if is_first_stage else dict(tokens=None, position_ids=None),
                            **{} if is_last_stage else dict(labels=None, loss_mask=None, teacher=None, source=None))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     batch = tensor_map(lambda t: t.to(device, non_blocking=True), batch)
-    return slice_kd_batch_for_cp(batch._replace(source=None), cp_group)._replace(source=batch.source)   # [b]: not cut
+    batch = slice_kd_batch_for_cp(batch._replace(source=None), cp_group)._replace(source=batch.source)  # [b]: not cut
+    return batch, attention
+
+
+def _sequence_first(t: torch.Tensor, *, thd: bool) -> torch.Tensor:
+    """A per-token tensor [b, s, ...] in the order of the model's hidden states: [s, b, ...], or with the rows
+    folded into one packed sequence (``thd``) [b·s, 1, ...]."""
+    return (t.reshape(1, -1, *t.shape[2:]) if thd else t).transpose(0, 1)
 
 
 def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
@@ -51,7 +103,7 @@ def _causal_mask_off_cuda(seq_length: int) -> torch.Tensor | None:
     (True = masked): megatron-core's local attention would otherwise build its default one on "cuda"."""
     if torch.cuda.is_available():
         return None
-    return torch.ones(seq_length, seq_length, dtype=torch.bool).triu(1).view(1, 1, seq_length, seq_length)
+    return causal_mask(seq_length)
 
 
 def run_forward_pre_hooks(module: torch.nn.Module) -> None:
@@ -132,20 +184,28 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     config = get_model_config(model)
     check_no_mtp(config)
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
-    batch = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
-                         is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp)
-    batch = batch if batch is not None else KDRow(None, None, None, None, None)
+    batch, attention = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
+                                    is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp,
+                                    te_attention=uses_te_attention(model))
+    if batch is None:   # a middle pipeline stage: rows of one document (several are refused with PP > 1)
+        batch, attention = KDRow(None, None, None, None, None), RowAttention(_causal_mask_off_cuda(config.seq_length))
+    thd = attention.packed_seq_params is not None
+    sequence_first = functools.partial(_sequence_first, thd=thd)
     context = None
     if batch.teacher is not None:
         names = source_names(state.cfg)
-        groups = None if not names or batch.source is None else batch.source[None, :].expand_as(batch.labels.t())
-        context = KDLossInputs(teacher=tensor_map(lambda t: t.transpose(0, 1), batch.teacher),   # [s, b, ...]
-                               labels=batch.labels.t(), loss_mask=batch.loss_mask.t(), options=state.cfg.kd,
-                               tp_group=pg_collection.tp, sequence_parallel=config.sequence_parallel,
-                               groups=groups, group_names=names if groups is not None else ())
-    output = model(input_ids=batch.tokens, position_ids=batch.position_ids,
-                   attention_mask=_causal_mask_off_cuda(config.seq_length if batch.tokens is None
-                                                        else batch.tokens.shape[1]),
-                   labels=batch.labels, output_processor=_kd_output_processor, output_processor_context=context)
+        groups = None if not names or batch.source is None else sequence_first(
+            batch.source[:, None].expand_as(batch.labels))
+        context = KDLossInputs(teacher=tensor_map(sequence_first, batch.teacher),   # [s, b, ...] (THD: [b·s, 1, ...])
+                               labels=sequence_first(batch.labels), loss_mask=sequence_first(batch.loss_mask),
+                               options=state.cfg.kd, tp_group=pg_collection.tp,
+                               sequence_parallel=config.sequence_parallel, groups=groups,
+                               group_names=names if groups is not None else ())
+    fold = (lambda t: t.reshape(1, -1)) if thd else (lambda t: t)              # [b, s] -> THD [1, b·s]
+    packed = {"packed_seq_params": attention.packed_seq_params} if thd else {}
+    output = model(input_ids=None if batch.tokens is None else fold(batch.tokens),
+                   position_ids=None if batch.position_ids is None else fold(batch.position_ids),
+                   attention_mask=attention.attention_mask, labels=None if batch.labels is None else fold(batch.labels),
+                   output_processor=_kd_output_processor, output_processor_context=context, **packed)
     return output, functools.partial(kd_loss_func,
                                      check_for_nan_in_loss=state.cfg.rerun_state_machine.check_for_nan_in_loss)

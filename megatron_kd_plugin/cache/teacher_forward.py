@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from megatron_kd_plugin.cache.teacher_context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
-from megatron_kd_plugin.documents import causal_mask, document_attention_mask, packed_seq_params, several_documents
+from megatron_kd_plugin.documents import (causal_mask, document_attention_mask, packed_seq_params, several_documents,
+                                          uses_te_attention)
 
 
 def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_):
@@ -54,11 +55,6 @@ def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_
         hidden_states = gather_from_sequence_parallel_region(hidden_states)
     weight = output_weight if output_weight is not None else output_layer.weight
     return hidden_states, weight, scale_logits
-
-
-def uses_te_attention(model) -> bool:
-    """Whether ``model``'s core attention is Transformer Engine's (which takes packed sequences, not a mask)."""
-    return any(type(module).__name__.startswith("TEDotProductAttention") for module in model.modules())
 
 
 def refuse_documents_under_cp(position_ids: torch.Tensor) -> None:

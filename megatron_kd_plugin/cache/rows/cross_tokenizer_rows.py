@@ -26,6 +26,10 @@ class CrossTokenizerRows(RowKind):
 
     def __init__(self, reader, **kwargs):
         super().__init__(reader, **kwargs)
+        if reader.spec.documents:
+            raise ValueError(f"{reader.path} holds {reader.spec.layout} rows and a student with its own tokenizer "
+                             "(dataset.student_tokenizer) re-tokenises each sample as one text; cache the store with "
+                             "--layout stream")
         if self.alignments_source not in ("sidecar", "memory"):
             raise ValueError(f"student alignments from {self.alignments_source!r}: expected 'sidecar' or 'memory'")
         self.alignments = StudentAlignments(reader, self.student)   # refuses a store without the byte table

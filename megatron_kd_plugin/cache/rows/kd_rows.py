@@ -87,6 +87,12 @@ class RowKind(abc.ABC):
     def rows_per_sample(self) -> int:
         """Student rows per cached sample."""
 
+    @property
+    def documents(self) -> bool:
+        """Whether its rows may hold several documents (a store of layout ``packed`` or ``document``), which attend
+        only within themselves (``megatron_kd_plugin.documents``)."""
+        return self.reader.spec.documents
+
     def num_samples(self) -> int:
         """Cached samples its rows read (sample ids 0 .. num_samples - 1)."""
         return self.reader.spec.num_samples
