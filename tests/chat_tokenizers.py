@@ -22,12 +22,13 @@ REWRITING_TEMPLATE = ("{% for m in messages %}" + _TURN + "{% if m['role'] == 'a
 conversation are not prefixes of its rendering."""
 
 
-def backend():
-    """A ``tokenizers.Tokenizer``: one token per character of :data:`CHARACTERS`, the specials whole."""
+def backend(characters: str = CHARACTERS):
+    """A ``tokenizers.Tokenizer``: one token per character of ``characters``, the specials whole (ids
+    0..3 + len(characters))."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     vocab = {"[UNK]": 0, **{token: i + 1 for i, token in enumerate(SPECIALS)}}
-    vocab.update({c: len(vocab) + i for i, c in enumerate(CHARACTERS)})
+    vocab.update({c: len(vocab) + i for i, c in enumerate(characters)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.add_special_tokens(list(SPECIALS))
@@ -45,7 +46,7 @@ def save_tokenizer(folder: pathlib.Path, template: str | None) -> str:
     return str(folder)
 
 
-def save_tokenizer_json(path: pathlib.Path) -> str:
+def save_tokenizer_json(path: pathlib.Path, characters: str = CHARACTERS) -> str:
     """The bare tokenizer.json of :func:`backend` (no chat template); returns its path."""
-    backend().save(str(path))
+    backend(characters).save(str(path))
     return str(path)

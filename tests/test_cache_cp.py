@@ -104,10 +104,14 @@ def test_cp_refusals_are_one_line():
     args = argparse.Namespace(cp=2, seq_length=S + 2)
     for kind, cuda, fragment in (("hf", True, "--seq-length=18 is not a multiple of 2 x --cp = 4"),):
         with pytest.raises(ValueError, match=fragment):
-            check_cp(args, kind, cuda=cuda)
+            check_cp(args, kind, layout="stream", cuda=cuda)
     args.seq_length = S
     with pytest.raises(ValueError, match=r"^--cp=2: context parallelism needs a Hugging Face teacher \(a save_gpt"):
-        check_cp(args, "save_gpt", cuda=True)
+        check_cp(args, "save_gpt", layout="stream", cuda=True)
     with pytest.raises(ValueError, match=r"^--cp=2: context-parallel attention needs Transformer Engine on CUDA"):
-        check_cp(args, "hf", cuda=False)
-    check_cp(args, "hf", cuda=True)
+        check_cp(args, "hf", layout="stream", cuda=False)
+    for layout in ("packed", "document"):          # refused where a GPU would run it, before the teacher loads
+        with pytest.raises(ValueError, match=rf"^--cp=2 with --layout {layout}: context parallelism with rows of "
+                                             "several documents is not supported; cache them with --cp 1"):
+            check_cp(args, "hf", layout=layout, cuda=True)
+    check_cp(args, "hf", layout="stream", cuda=True)

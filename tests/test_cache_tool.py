@@ -1,7 +1,8 @@
 """tools/cache_teacher_logits.py end to end: torchrun TP=2 on an indexed dataset against a float64 TP=1
-reference; real SIGKILLs of a torchrun DP=2 run (torchrun and its workers) at known shard boundaries (the workers
-pause themselves there: the writer's ``PAUSE_AFTER_SHARDS`` hook), a second run refused while orphaned workers
-live, and a resume, byte-identical to one clean single-process run; bad data and teacher files."""
+reference; real SIGKILLs of a torchrun DP=2 run (torchrun and its workers) writing a packed store of prompt/response
+pairs at known shard boundaries (the workers pause themselves there: ``tests/paused_cache_tool.py``), a second run
+refused while orphaned workers live, and a resume, byte-identical to one clean single-process run; bad data, bad
+documents and teacher files, each one line with nothing written."""
 
 import os
 import pathlib
@@ -17,8 +18,11 @@ import pytest
 import torch
 
 from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache.layouts import open_rows
 from megatron_kd_plugin.cache.store import format as fmt
+from megatron_kd_plugin.cache.writer import describe_packing
 from megatron_kd_plugin.models.gpt import GPTSpec
+from tests.chat_tokenizers import PLAIN_TEMPLATE, save_tokenizer, save_tokenizer_json
 from tests.distributed import run_on_ranks, scaled
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,6 +31,8 @@ PAUSED_TOOL = ROOT / "tests" / "paused_cache_tool.py"   # the same command, stop
 SPEC = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
                seq_length=16)
 S, K = 16, 8
+PAIR_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"
+"""The characters of the pairs' tokenizer: 4 specials + 60 = the teacher's 64 ids."""
 
 
 def _make_teacher_and_reference(folder, prefix, num_samples):
@@ -73,6 +79,25 @@ def teacher_and_data(tmp_path_factory):
     tokens, logprobs = run_on_ranks(1, _make_teacher_and_reference, str(work / "teacher"), str(work / "data"),
                                     24)[0]
     return work, tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def pairs(teacher_and_data):
+    """(JSONL of prompt/response pairs, their tokenizer.json): 90 pairs of 2 to 21 tokens with the end-of-document
+    id, packed several to a row of S = 16, and 4 of 29 tokens whose first piece of a row is all prompt (dropped)."""
+    import json
+
+    work = teacher_and_data[0]
+    rng = np.random.default_rng(1)
+
+    def text(length):
+        return "".join(rng.choice(list(PAIR_CHARACTERS), int(length)))
+
+    records = [{"prompt": text(rng.integers(0, 12)), "response": text(rng.integers(1, 10))} for _ in range(90)]
+    for i in (5, 30, 55, 80):
+        records[i] = {"prompt": text(25), "response": text(3)}
+    (work / "pairs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(work / "pairs.jsonl"), save_tokenizer_json(work / "pairs_tokenizer.json", PAIR_CHARACTERS)
 
 
 def test_torchrun_tp2_store_matches_a_float64_tp1_reference_and_refuses_bad_settings(teacher_and_data):
@@ -190,17 +215,26 @@ def _tree(path):
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_run(teacher_and_data):
-    """Three kills of a torchrun DP=2 run; the third orphans the workers, and a second run is refused while they
-    live. The resume (one process) completes a store written by two DP writers and four runs, byte for byte the
-    store of one clean single-process run."""
+def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_run(teacher_and_data, pairs):
+    """A packed store of prompt/response pairs (loss mask 0 on prompts and document ends, positions restarting):
+    three kills of a torchrun DP=2 run; the third orphans the workers, and a second run is refused while they live.
+    The resume (one process) completes a store written by two DP writers and four runs, byte for byte the store of
+    one clean single-process run; so does ``--repair`` of a damaged shard. A resume with other mask settings is
+    refused in one line."""
     work, _, _ = teacher_and_data
-    args = ("--num-samples", "32", "--samples-per-shard", "2", "--micro-batch-size", "1")
+    data, tokenizer = pairs
+    args = ("--num-samples", "32", "--samples-per-shard", "2", "--micro-batch-size", "1", "--layout", "packed",
+            "--tokenizer", tokenizer)
     clean, killed = work / "clean.zarr", work / "killed.zarr"
-    plain = _cache_command(work / "teacher", str(work / "data"), killed, *args)
-    assert subprocess.run(_cache_command(work / "teacher", str(work / "data"), clean, *args), env=_env(1),
-                          capture_output=True, timeout=scaled(600)).returncode == 0
-    dp2 = _cache_command(work / "teacher", str(work / "data"), killed, *args, nproc=2)   # DP=2 writers
+    plain = _cache_command(work / "teacher", data, killed, *args)
+    first = subprocess.run(_cache_command(work / "teacher", data, clean, *args), env=_env(1), capture_output=True,
+                           text=True, timeout=scaled(600))
+    assert first.returncode == 0, first.stderr[-3000:]
+    packing = open_rows(data, S, tokenizer=tokenizer, layout="packed", num_samples=32).packing
+    assert packing["dropped"] == 4 and packing["documents"] > 32           # the 4 all-prompt pieces; packed rows
+    assert f"[cache] layout packed: {describe_packing(packing)}" in first.stdout
+    assert TopKCacheReader(clean).spec.layout == "packed"
+    dp2 = _cache_command(work / "teacher", data, killed, *args, nproc=2)   # DP=2 writers
     marks = []
     for pause_after in (0, 2):                             # right after creation, then after 2 shards per rank
         _kill_paused(dp2, killed, pause_after)
@@ -229,6 +263,64 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
         repaired.stdout, \
         repaired.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
+    other_masks = subprocess.run(plain + ["--prompt-loss"], env=_env(1), capture_output=True, text=True,
+                                 timeout=scaled(600))
+    errors = [line for line in other_masks.stderr.splitlines() if line.strip()]
+    assert other_masks.returncode == 2 and errors[-1].startswith(f"error: {killed} already holds a store written "
+                                                                 "with other settings (fingerprint: requested"), \
+        other_masks.stderr[-3000:]
+    assert _tree(killed) == _tree(clean)
+
+
+BAD_DOCUMENTS = {   # JSONL records, tokenizer ("json": no chat template; "chat": one), extra flags, the error
+    "messages without a chat template": (
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}], "json", (),
+        "error: tokenizer 'tokenizer.json:sha256=.*' has no chat template: conversations \\(`messages`\\) are rendered by "
+        "one"),
+    "no assistant turn": (
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+         {"messages": [{"role": "user", "content": "hi"}]}], "chat", (),
+        "error: .*bad.jsonl:2: the conversation has no assistant turn: no token of it would be a loss target"),
+    "a document longer than S": (
+        [{"text": "short"}, {"text": "x" * 20}], "json", ("--layout", "document"),
+        "error: .*bad.jsonl:2: a document of 21 tokens is longer than a row of seq_length=16 \\(\\+1\\) \\(1 such "
+        "documents\\): raise the seq_length or ask for splitting documents"),
+    "no loss target in any row": (
+        [{"text": ""}, {"text": ""}], "json", ("--layout", "packed"),
+        "error: .*bad.jsonl: no document has a loss target in any row of seq_length=16"),
+    "prompt loss on a stream": (
+        [{"text": "abc"}], "json", ("--prompt-loss",),
+        "error: eod_loss=1,prompt_loss=1, split_documents=0: the 'stream' layout counts every label and splits "
+        "nothing"),
+    "--cp with packed rows": (
+        [{"text": "abc"}], "json", ("--layout", "packed", "--cp", "2"),
+        "error: --cp=2 with --layout packed: context parallelism with rows of several documents is not supported"),
+    "--cp with conversations (packed by default)": (
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}], "chat",
+        ("--cp", "2"), "error: --cp=2 with --layout packed: "),
+}
+
+
+@pytest.mark.parametrize("name", BAD_DOCUMENTS)
+def test_bad_documents_are_one_line_before_the_teacher_loads_and_nothing_is_written(teacher_and_data, tmp_path,
+                                                                                       capsys, name):
+    """The command in-process: exit 2, one ``error:`` line on stderr, no traceback, nothing at ``--output``."""
+    import json
+    import re
+
+    from megatron_kd_plugin.commands.cache import main
+
+    records, tokenizer, extra, message = BAD_DOCUMENTS[name]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    tokenizer = save_tokenizer_json(tmp_path / "tokenizer.json") if tokenizer == "json" else \
+        save_tokenizer(tmp_path / "chat", PLAIN_TEMPLATE)
+    output = tmp_path / "out.zarr"
+    assert main(["--teacher", str(teacher_and_data[0] / "teacher"), "--data", str(data), "--output", str(output),
+                 "--seq-length", str(S), "--tokenizer", tokenizer, "--no-progress", *extra]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.match(message, errors[0]), errors
+    assert not output.exists()
 
 
 def test_a_truncated_bin_file_is_named(teacher_and_data, tmp_path):

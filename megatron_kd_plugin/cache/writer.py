@@ -503,7 +503,8 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
 
     ``source``: a row source (``TokenWindows`` or a documents layout's rows: ``windows``, ``row_masks``, ``layout``,
     ``packing``); its layout is recorded in the store, its loss mask and positions stored where the format holds
-    them (``format.py``), its packing statistics recorded when the store is finished and printed (``progress``).
+    them (``format.py``), its packing statistics recorded when the store is finished (``describe_packing``: the
+cache command prints them).
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
     ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and
@@ -555,8 +556,6 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
         _barrier()
         _agreed(finish, output, spec, lock, source.packing)
         _barrier()
-        if progress and source.packing and _world()[0] == 0:
-            print(f"{source.name}: {describe_packing(source.packing)}", flush=True)
     finally:
         lock.release()
     return stats

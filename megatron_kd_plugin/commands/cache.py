@@ -32,6 +32,15 @@ same draws at any TP/DP size and after a resume). ``--head H --draws N`` keeps p
 draws the N from the rest of the distribution (issue #40, ``cache/kinds/head_draws.py``: the head exact, the tail's
 estimate unbiased).
 
+``--layout`` (``cache/layouts/``, docs/documents-and-conversations.md) places the documents of ``--data`` in rows:
+``stream`` (the default for text and indexed datasets: one token stream cut into windows), ``packed`` (the default for
+conversations and prompt/response pairs: whole documents packed into rows, each attended alone) or ``document`` (one
+document per row, padded; ``--split-documents`` cuts a longer one into pieces instead of refusing it). The input
+kind (``--input-kind``: text, messages, prompt_response, indexed) is found from the data unless named;
+``--prompt-loss`` counts a conversation's or pair's prompt tokens too, ``--no-eod-loss`` takes the end-of-document
+id out of the loss targets. The layout and the mask settings are part of the store's identity: a resume with other
+ones is refused. A documents layout prints its packing figures (documents, pieces, split, dropped, efficiency).
+
 ``--top-p P`` (with ``--topk K`` as the cap, ``--min-k M`` as the floor, Megatron-LM's ``--logits-save-top-p`` /
 ``--logits-save-top-p-min-k``) keeps per token the smallest set of its highest-probability ids whose mass reaches
 P, at least M and at most K; the other slots are padding that costs ~nothing on disk (``cache/store/format.py``).
@@ -51,10 +60,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd_plugin.cache import TopKCacheReader
+from megatron_kd_plugin.cache.layouts import LAYOUTS, layout_name, open_rows
 from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.store import storage
 from megatron_kd_plugin.cache.teacher_context_parallel import check_cp_seq_length
 from megatron_kd_plugin.cache.kinds import store_kind
+from megatron_kd_plugin.cache.sources import INPUT_KINDS, resolve_input_kind
 from megatron_kd_plugin.cache.teacher_head import DEFAULT_CHUNK_BYTES, block_shape, row_bytes
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,6 +85,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "its checkpoint folder); required for JSONL, recorded as the tokenizer identity and checked "
                    "against the teacher vocab")
     p.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    p.add_argument("--input-kind", default="auto", choices=["auto", *INPUT_KINDS],
+                   help="how --data holds its documents (default auto: an indexed-dataset prefix, or what the first "
+                        "JSONL record's keys say: 'text', 'messages', or 'prompt' and 'response')")
+    p.add_argument("--layout", default=None, choices=list(LAYOUTS),
+                   help="how documents are placed in rows: stream (one token stream cut into windows; the default "
+                        "for text and indexed data), packed (whole documents packed into rows, each attended alone; "
+                        "the default for messages and prompt/response), document (one document per row, padded)")
+    p.add_argument("--no-eod-loss", action="store_true",
+                   help="packed/document rows: the end-of-document id is no loss target (Megatron's eod_mask_loss)")
+    p.add_argument("--prompt-loss", action="store_true",
+                   help="packed/document rows of conversations or prompt/response pairs: every token is a loss "
+                        "target, the prompt's too (default: the assistant's or the response's only)")
+    p.add_argument("--split-documents", action="store_true",
+                   help="document rows: a document longer than --seq-length is cut into pieces of a row each "
+                        "(default: refused in one line)")
     p.add_argument("--output", required=True, help="store path: a directory (e.g. cache.zarr), s3://BUCKET/PREFIX "
                    "or msc://PROFILE/PATH (docs/object-storage.md)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample S")
@@ -265,7 +291,6 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     exists; initialises (and destroys) megatron's parallel_state. ``on_shard_written``: ``write_cache``'s."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.cache.sources.token_windows import open_source
     from megatron_kd_plugin.cache.teacher_forward import TeacherForward
     from megatron_kd_plugin.cache.writer import check_vocab, refuse_while_written, share_summary, write_cache
 
@@ -276,7 +301,9 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
     if kind != "hf" and args.pp != 1:
         raise ValueError(f"--pp={args.pp}: pipeline parallelism is not supported for {kind} teachers (a Hugging "
                          "Face checkpoint folder takes --pp)")
-    check_cp(args, kind, cuda=torch.cuda.is_available())
+    input_kind = resolve_input_kind(args.data, args.input_kind, text_key=args.text_key)
+    layout = layout_name(input_kind, args.layout)
+    check_cp(args, kind, layout=layout, cuda=torch.cuda.is_available())
     if kind != "hf" and (args.ep != 1 or args.etp is not None):
         flag = f"--ep={args.ep}" if args.ep != 1 else f"--etp={args.etp}"
         raise ValueError(f"{flag}: expert parallelism needs a MoE Hugging Face teacher")
@@ -286,8 +313,9 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
         etp = provider.expert_tensor_parallel_size            # the provider and parallel_state: the same sizes
     check_world(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")),
                 tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp)
-    source = open_source(args.data, args.seq_length, tokenizer=tokenizer, num_samples=args.num_samples,
-                         text_key=args.text_key)
+    source = open_rows(args.data, args.seq_length, tokenizer=tokenizer, layout=layout, input_kind=input_kind,
+                       text_key=args.text_key, eod_loss=not args.no_eod_loss, prompt_loss=args.prompt_loss,
+                       split_documents=args.split_documents, num_samples=args.num_samples)
     created = init_distributed(args.tp, args.pp, args.ep, etp, args.cp)
     try:
         share_summary(source)              # one pass over the data, on rank 0 only
@@ -333,13 +361,18 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
             dist.destroy_process_group()
 
 
-def check_cp(args, kind: str, *, cuda: bool) -> None:
-    """ValueError, in one line, for a ``--cp`` the run cannot take: 2·cp must divide the window; only a Hugging Face
-    teacher (through Megatron-Bridge, whose provider takes the CP size) and only on CUDA, where Transformer Engine's
-    attention runs context parallelism (megatron-core's local attention refuses it)."""
+def check_cp(args, kind: str, *, layout: str, cuda: bool) -> None:
+    """ValueError, in one line, for a ``--cp`` the run cannot take: 2·cp must divide the window; only rows of one
+    document each (the ``stream`` layout: megatron-core's load-balanced CP split would cut the documents of a
+    ``layout`` of several per row); only a Hugging Face teacher (through Megatron-Bridge, whose provider takes the CP
+    size) and only on CUDA, where Transformer Engine's attention runs context parallelism (megatron-core's local
+    attention refuses it)."""
     if args.cp == 1:
         return
     check_cp_seq_length(args.seq_length, args.cp)
+    if layout != "stream":
+        raise ValueError(f"--cp={args.cp} with --layout {layout}: context parallelism with rows of several documents "
+                         "is not supported; cache them with --cp 1 (or --layout stream)")
     if kind != "hf":
         raise ValueError(f"--cp={args.cp}: context parallelism needs a Hugging Face teacher (a {kind} teacher has no "
                          "context-parallel attention)")
@@ -381,7 +414,10 @@ def cross_tokenizer_table(args, tokenizer: str | None, vocab_size: int):
 
 
 def report(args, source, stats) -> None:
-    """The run's summary lines (printed by the first writer of the last pipeline stage)."""
+    """The run's summary lines (printed by the first writer of the last pipeline stage): the store, a documents
+    layout's packing figures (the pieces dropped for want of a loss target among them), the speed."""
+    from megatron_kd_plugin.cache.writer import describe_packing
+
     output = fmt.store_location(args.output)
     stored = sum(output.sizes().values()) if isinstance(output, storage.ObjectPrefix) else \
         sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
@@ -390,6 +426,8 @@ def report(args, source, stats) -> None:
     slots = spec.kind.describe(spec)
     print(f"[cache] {args.output}: {len(source)} samples x {source.seq_length} tokens, {slots}, "
           f"{stored / tokens:.1f} bytes/token on disk", flush=True)
+    if source.packing:
+        print(f"[cache] layout {source.layout}: {describe_packing(source.packing)}", flush=True)
     if stats.tokens:
         print(f"[cache] rank {dist.get_rank()} computed {stats.tokens} tokens in {stats.total_seconds:.2f} s "
               f"({stats.tokens / stats.total_seconds:.0f} tokens/s); teacher forward {stats.forward_seconds:.2f}"

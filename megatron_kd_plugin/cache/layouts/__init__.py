@@ -28,6 +28,15 @@ DEFAULT_LAYOUTS = {"text": "stream", "indexed": "stream", "messages": "packed", 
 """The layout of each input kind when none is asked for."""
 
 
+def layout_name(input_kind: str, layout: str | None = None) -> str:
+    """``layout``, or with None the default of ``input_kind`` (one of ``sources.INPUT_KINDS``, found already:
+    ``sources.resolve_input_kind``); ValueError for an unknown layout."""
+    name = layout or DEFAULT_LAYOUTS[input_kind]
+    if name not in LAYOUTS:
+        raise ValueError(f"layout {name!r}; choose one of {list(LAYOUTS)}")
+    return name
+
+
 def open_rows(data: str, seq_length: int, *, tokenizer: str | None = None, layout: str | None = None,
               input_kind: str = "auto", text_key: str = "text", eod_loss: bool = True, prompt_loss: bool = False,
               split_documents: bool = False, num_samples: int | None = None):
@@ -39,13 +48,11 @@ def open_rows(data: str, seq_length: int, *, tokenizer: str | None = None, layou
     only (None: all). Returns a row source (``TokenWindows`` or ``PlannedRows``).
     """
     kind = resolve_input_kind(data, input_kind, text_key=text_key)
-    name = layout or DEFAULT_LAYOUTS[kind]
-    if name not in LAYOUTS:
-        raise ValueError(f"layout {name!r}; choose one of {list(LAYOUTS)}")
+    name = layout_name(kind, layout)
     source = RowInput(data=data, tokenizer=tokenizer, input_kind=kind, text_key=text_key,
                       masks=DocumentMasks(eod_loss=eod_loss, prompt_loss=prompt_loss),
                       split_documents=split_documents)
     return LAYOUTS[name].rows(source, seq_length, num_samples=num_samples)
 
 
-__all__ = ["DEFAULT_LAYOUTS", "LAYOUTS", "RowInput", "open_rows"]
+__all__ = ["DEFAULT_LAYOUTS", "LAYOUTS", "RowInput", "layout_name", "open_rows"]
