@@ -267,7 +267,9 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
                                  timeout=scaled(600))
     errors = [line for line in other_masks.stderr.splitlines() if line.strip()]
     assert other_masks.returncode == 2 and errors[-1].startswith(f"error: {killed} already holds a store written "
-                                                                 "with other settings (fingerprint: requested"), \
+                                                                 "with other settings (fingerprint (of the data and how they are cut into rows: "
+                                                                 "input kind, layout, loss-mask and split settings): "
+                                                                 "requested"), \
         other_masks.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
 

@@ -121,6 +121,18 @@ def _agreed(fn, *args, everywhere: bool = False):
     return result
 
 
+def other_settings(output, differences: dict[str, tuple]) -> ValueError:
+    """The one-line refusal of the store at ``output``, written with other settings (``differences``:
+    ``CacheSpec.differences``, requested first); the fingerprint named with what it covers."""
+    named = {"fingerprint": "fingerprint (of the data and how they are cut into rows: input kind, layout, loss-mask "
+                            "and split settings)"}
+    listed = "; ".join(f"{named.get(key, key)}: requested {new!r}, on disk {old!r}"
+                       for key, (new, old) in differences.items())
+    return ValueError(f"{output} already holds a store written with other settings ({listed}); pass --overwrite to "
+                      "replace it, or choose another --output (--repair rewrites the damaged shards of a store "
+                      "written with the same settings only)")
+
+
 def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) -> WriterLock:
     """Creates the store, or keeps an existing one with exactly ``spec`` (a resume: its shards are checked by their
     owners, :func:`prepare_shards`); returns its writers' lock, held exclusively by this process. Constant time in the
@@ -151,11 +163,8 @@ def prepare_store(output: pathlib.Path, spec: fmt.CacheSpec, overwrite: bool) ->
             if not differences:
                 return lock
             _refuse_foreign(output, overwrite, deep=True)      # replacing deletes every file it holds: all ours?
-            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
             if not overwrite:
-                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
-                                 "--overwrite to replace it, or choose another --output (--repair rewrites the "
-                                 "damaged shards of a store written with the same settings only)")
+                raise other_settings(output, differences)
             for entry in output.iterdir():               # the folder and the (held) lock file stay
                 if entry.name != LOCK_NAME:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -186,11 +195,8 @@ def _prepare_objects(output: storage.ObjectPrefix, spec: fmt.CacheSpec, overwrit
             differences = {"store": (f"a cache with {spec}", f"unreadable ({exc})")}
         if differences:
             _refuse_foreign(output, overwrite, deep=True)
-            listed = "; ".join(f"{key}: requested {new!r}, on disk {old!r}" for key, (new, old) in differences.items())
             if not overwrite:
-                raise ValueError(f"{output} already holds a store written with other settings ({listed}); pass "
-                                 "--overwrite to replace it, or choose another --output (--repair rewrites the "
-                                 "damaged shards of a store written with the same settings only)")
+                raise other_settings(output, differences)
             output.delete(["zarr.json"] + [key for key in output.keys() if key not in ("zarr.json", LOCK_NAME)])
             fmt.create_store(output, spec)
     except BaseException:
