@@ -82,12 +82,12 @@ def teacher_and_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pairs(teacher_and_data):
+def pairs(tmp_path_factory):
     """(JSONL of prompt/response pairs, their tokenizer.json): 90 pairs of 2 to 21 tokens with the end-of-document
     id, packed several to a row of S = 16, and 4 of 29 tokens whose first piece of a row is all prompt (dropped)."""
     import json
 
-    work = teacher_and_data[0]
+    work = tmp_path_factory.mktemp("pairs")
     rng = np.random.default_rng(1)
 
     def text(length):
@@ -219,8 +219,7 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
     """A packed store of prompt/response pairs (loss mask 0 on prompts and document ends, positions restarting):
     three kills of a torchrun DP=2 run; the third orphans the workers, and a second run is refused while they live.
     The resume (one process) completes a store written by two DP writers and four runs, byte for byte the store of
-    one clean single-process run; so does ``--repair`` of a damaged shard. A resume with other mask settings is
-    refused in one line."""
+    one clean single-process run; so does ``--repair`` of a damaged shard."""
     work, _, _ = teacher_and_data
     data, tokenizer = pairs
     args = ("--num-samples", "32", "--samples-per-shard", "2", "--micro-batch-size", "1", "--layout", "packed",
@@ -263,15 +262,28 @@ def test_sigkill_of_torchrun_runs_then_a_resume_are_byte_identical_to_a_clean_ru
         repaired.stdout, \
         repaired.stderr[-3000:]
     assert _tree(killed) == _tree(clean)
-    other_masks = subprocess.run(plain + ["--prompt-loss"], env=_env(1), capture_output=True, text=True,
-                                 timeout=scaled(600))
-    errors = [line for line in other_masks.stderr.splitlines() if line.strip()]
-    assert other_masks.returncode == 2 and errors[-1].startswith(f"error: {killed} already holds a store written "
-                                                                 "with other settings (fingerprint (of the data and how they are cut into rows: "
-                                                                 "input kind, layout, loss-mask and split settings): "
-                                                                 "requested"), \
-        other_masks.stderr[-3000:]
-    assert _tree(killed) == _tree(clean)
+
+
+@pytest.mark.parametrize("changed,named", [
+    (dict(layout="document", split_documents=True), "layout: requested 'document', on disk 'packed'"),
+    (dict(prompt_loss=True), "fingerprint (of the data and how they are cut into rows: input kind, layout, loss-mask "
+                             "and split settings): requested")], ids=["layout", "masks"])
+def test_a_resume_with_another_layout_or_mask_setting_is_refused_in_one_line(pairs, tmp_path, changed, named):
+    """The store's identity holds the layout and the fingerprint of its rows (their mask and split settings): a
+    rerun that would write other rows is refused, one line naming the difference, the store untouched."""
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    data, tokenizer = pairs
+    table = torch.randn(SPEC.vocab_size, SPEC.vocab_size, generator=torch.Generator().manual_seed(0))
+    teacher = lambda tokens, position_ids: table[tokens].transpose(0, 1)                # noqa: E731 (context-free)
+    options = dict(k=K, vocab_size=SPEC.vocab_size, teacher="table", samples_per_shard=4, progress=False)
+    rows = dict(tokenizer=tokenizer, layout="packed", num_samples=8)
+    write_cache(open_rows(data, S, **rows), teacher, tmp_path / "s.zarr", **options)
+    before = _tree(tmp_path / "s.zarr")
+    with pytest.raises(ValueError, match="already holds a store written with other settings") as refused:
+        write_cache(open_rows(data, S, **rows | changed), teacher, tmp_path / "s.zarr", **options)
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+    assert _tree(tmp_path / "s.zarr") == before
 
 
 BAD_DOCUMENTS = {   # JSONL records, tokenizer ("json": no chat template; "chat": one), extra flags, the error

@@ -117,9 +117,11 @@ def test_every_document_of_a_packed_row_equals_transformers_forward_of_it_alone(
     reference = alone[LAYOUTS[name][0]]
     for i, documents in enumerate(rows.documents):
         for doc, (logprobs, ids) in enumerate(_document_logprobs(readers[name][i], documents)):
-            expected = reference[i][doc].gather(1, ids)                                      # [len, K]
-            assert torch.allclose(logprobs, expected, atol=2e-5, rtol=0), (name, i, doc)
-            assert torch.equal(ids.sort(1).values, reference[i][doc].topk(K).indices.sort(1).values), (name, i, doc)
+            read = reference[i][doc][:-1]           # a document's last token (loss mask 0) holds padding slots
+            expected = read.gather(1, ids[:-1])                                              # [len - 1, K]
+            assert torch.allclose(logprobs[:-1], expected, atol=2e-5, rtol=0), (name, i, doc)
+            assert torch.equal(ids[:-1].sort(1).values, read.topk(K).indices.sort(1).values), (name, i, doc)
+            assert not ids[-1].any() and torch.isneginf(logprobs[-1]).all(), (name, i, doc)
 
 
 def test_the_store_records_the_layout_loss_mask_positions_and_packing(stores):
@@ -149,12 +151,39 @@ def test_a_stream_store_of_the_same_windows_differs_at_every_later_document(stor
             assert (error < 2e-5) == (doc == 0), (i, doc, error)
 
 
+def _table_teacher():
+    """A context-free teacher: each token's logits a fixed row of a random table (the same rows packed or not)."""
+    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
+    return lambda tokens, position_ids: table[tokens].transpose(0, 1)
+
+
+def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teachers_rows(tmp_path):
+    """Under the default grid codec: a packed store holds padding (id 0, log-prob -inf) at every token of loss mask 0
+    and, at the others, the rows of the stream store of the same windows (a context-free teacher), which keeps every
+    row."""
+    from megatron_kd_plugin.cache import TopKCacheReader
+    from megatron_kd_plugin.cache.writer import write_cache
+
+    options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
+    readers = {}
+    for layout in ("packed", "stream"):
+        write_cache(HandPackedRows(layout), _table_teacher(), tmp_path / layout, **options)
+        readers[layout] = TopKCacheReader(tmp_path / layout)
+    for i in range(len(ROWS)):
+        packed, stream = readers["packed"][i], readers["stream"][i]
+        read = packed.loss_mask.bool()
+        assert 0 < int((~read).sum()) == len(ROWS[i])                           # each document's last token
+        assert torch.equal(packed.teacher.ids[read], stream.teacher.ids[read])
+        assert torch.equal(packed.teacher.logprobs[read], stream.teacher.logprobs[read])
+        assert not packed.teacher.ids[~read].any() and torch.isneginf(packed.teacher.logprobs[~read]).all()
+        assert torch.isfinite(stream.teacher.logprobs).all()
+
+
 def test_repair_rewrites_a_damaged_loss_mask_shard_of_a_packed_store_byte_for_byte(tmp_path):
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.cache.writer import write_cache
 
-    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
-    teacher = lambda tokens, position_ids: table[tokens].transpose(0, 1)              # noqa: E731 (context-free)
+    teacher = _table_teacher()
     options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, logprob_codec="fp32", progress=False)
     store = tmp_path / "packed.zarr"
     write_cache(HandPackedRows("packed"), teacher, store, **options)
@@ -174,9 +203,8 @@ def test_a_version_5_reader_refuses_a_packed_store_by_its_version(tmp_path, monk
     from megatron_kd_plugin.cache.store import format as fmt
     from megatron_kd_plugin.cache.writer import write_cache
 
-    table = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
-    write_cache(HandPackedRows("document"), lambda tokens, position_ids: table[tokens].transpose(0, 1),
-                tmp_path / "s.zarr", k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
+    write_cache(HandPackedRows("document"), _table_teacher(), tmp_path / "s.zarr", k=K, vocab_size=1000,
+                teacher="table", samples_per_shard=2, progress=False)
     assert TopKCacheReader(tmp_path / "s.zarr").spec.layout == "document"
     monkeypatch.setattr(fmt, "READ_VERSIONS", (2, 3, 4, 5))
     with pytest.raises(ValueError, match=r"cache format version 6 is not supported \(this reader reads versions "
