@@ -92,9 +92,11 @@ Documents (``layout`` "packed" or "document", ``cache --layout``, issue #49, for
 documents, each attended by the teacher within itself only, with positions restarting at 0 at its first token
 (``megatron_kd_plugin.documents``). ``loss_mask[i, t]`` = 1 when the label ``tokens[i, t+1]`` is a loss target
 (0 at a document's last token, on padding and on prompt tokens); ``position_ids[i, t]`` counts up from 0 within each
-document. A stream store (version 5, and every earlier version) holds neither: its loss mask reads as all ones and
-its positions as 0..S-1 (``reader.py``). Version 6 is written only for documents, so a version-5 reader refuses
-such a store by its version.
+document. At a token of loss mask 0 a top-K or top-p store holds padding slots (id 0, log-prob −inf: the loss reads
+nothing there; ``kinds.StoreKind.pads_unread_tokens``), a sampled store the teacher's draws. A stream store (version
+5, and every earlier version) holds neither array: its loss mask reads as all ones and its positions as 0..S-1
+(``reader.py``). Version 6 is written only for documents, so a version-5 reader refuses such a store by its
+version.
 
 Writing (``writer.py``): one writer rank owns whole shards, so no two ranks ever touch the same file; a shard's
 arrays are written first, then its ``chunk_records`` (from the chunks' stored CRC32Cs, read back), each file replaced
