@@ -128,6 +128,9 @@ def test_a_documents_store_is_read_at_its_own_seq_length_or_refused_in_one_line(
 
 
 def test_stream_and_packed_stores_of_one_seq_length_blend_each_row_with_its_own_mask(stores):
+    """A blend of a stream and a packed store at their common S: each row is its own store's row, mask and
+    positions too; stores whose S cannot serve one student are refused in one line, and so is an ensemble of a
+    stream and a packed store (its teachers mix per token, within one row's mask)."""
     from megatron_kd_plugin.bridge.config import check_kd_config
 
     blend = f"dataset.blend='0.5 {stores['stream']} 0.5 {stores['packed']}'"
@@ -148,6 +151,9 @@ def test_stream_and_packed_stores_of_one_seq_length_blend_each_row_with_its_own_
         with pytest.raises(ValueError, match=message) as error:
             check_kd_config(config(f"dataset.blend='{stores['stream']} {stores['packed64']}'", seq_length=seq_length))
         assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"an ensemble's stores must share their layout: .*stream.zarr has 'stream', "
+                                         r".*packed.zarr 'packed'"):   # its teachers mix per token: one row's
+        check_kd_config(config(f"dataset.ensemble='{stores['stream']} {stores['packed']}'"))
 
 
 def student_logits(model, batch) -> torch.Tensor:
