@@ -4,10 +4,11 @@ a documents store is read at its own seq_length, blends of stream and packed sto
 The stores are cut from JSONL by the cache command's own layouts (``cache.layouts.open_rows``) with the tiny HF
 Qwen3's word tokenizer (vocab 1000) and written with ``write_cache`` from a context-free table teacher:
 prompt/response pairs packed at S = 32 (the loss mask 0 on prompts and at each document's last token) and at
-S = 64, and short texts as one stream at S = 32. One spawned rank trains the tiny recipe (vocab 1000, kd.alpha = 0.5) on the packed store and recomputes its
-first step, loss and gradient norm, in float64 from the student's own logits of each document alone, the stored
-teacher rows and the stored loss mask, with megatron-core's normalisation (each microbatch's token mean, averaged)
-and with ``model.calculate_per_token_loss`` (the step's token mean).
+S = 64, and short texts as one stream at S = 32. One spawned rank trains the tiny recipe (vocab 1000,
+kd.alpha = 0.5) on the packed store and recomputes its first step, loss and gradient norm, in float64 from the
+student's own logits of each document alone, the stored teacher rows and the stored loss mask, with megatron-core's
+normalisation (each microbatch's token mean, averaged) and with ``model.calculate_per_token_loss`` (the step's
+token mean).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward
 3-tuple loss divided by num_tokens and by the number of microbatches, or, with ``calculate_per_token_loss``, left
 summed) and ``backward_step``, then all-reduces gradients over data parallelism, divided by its size (or by the
 step's masked-in tokens over DP, as ``finalize_model_grads`` does with ``calculate_per_token_loss``), and, as
-megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel norm gradients over TP, clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
-``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
-resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
+megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel norm gradients over TP, clips them by their
+TP-aware global norm (megatron-core's rule), and steps a plain ``torch.optim.AdamW`` under Bridge's learning-rate
+scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
 a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
 it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It logs as Bridge's loop does
 (``cpu_log``): a line every ``logger.log_interval`` steps, TensorBoard events through Bridge's writer and the step
