@@ -4,7 +4,8 @@ One spawn of two gloo ranks runs the tool's command body (``commands.cache.run``
 by hand (:class:`HandPackedRows`, a test-local row source as the writer's contract describes; the tool's data
 options are bypassed by handing ``run`` this source): a tiny random-init HF Qwen3 teacher at TP=1 (DP=2), TP=2 and
 PP=2, a tiny Qwen3-MoE at EP=2, and the same windows as one stream. The parent compares the log-probs of every
-document of every row with transformers' float64 forward of that document alone, checks that the store's loss mask
+document of every row with transformers' float64 forward of that document alone (at its tokens of loss mask 1; its
+last token holds padding slots), checks that the store's loss mask
 and positions round-trip, and that the stream store (the teacher attending across documents: issue #49's bug)
 differs from it at every document after a row's first. Without a spawn (a context-free table teacher): ``--repair``
 of a damaged ``loss_mask`` shard is byte-identical, and a version-5 reader refuses a documents store by its version.
@@ -81,12 +82,12 @@ def _write_stores(teachers: dict, work: str) -> None:
     """Every store of LAYOUTS, written by the command body on this rank (its data source: :class:`HandPackedRows`)."""
     from megatron.core import parallel_state
 
-    from megatron_kd_plugin.cache.sources import token_windows
+    from megatron_kd_plugin.commands import cache as command
     from megatron_kd_plugin.commands.cache import parse_args, run
 
     parallel_state.destroy_model_parallel()            # run_on_ranks' TP=1 state: each store makes its own
     for name, (teacher, layout, flags) in LAYOUTS.items():
-        token_windows.open_source = lambda *args, layout=layout, **kwargs: HandPackedRows(layout)
+        command.open_rows = lambda *args, rows=HandPackedRows(layout), **kwargs: rows
         run(parse_args(["--teacher", teachers[teacher], "--data", f"{work}/unused.jsonl",
                         "--output", f"{work}/{name}.zarr", *COMMON, *flags]))
 
@@ -98,6 +99,7 @@ def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("packed_teacher")
     teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe))
+    (work / "unused.jsonl").write_text('{"text": "the --data the command checks; its rows are HandPackedRows"}\n')
     run_on_ranks(2, _write_stores, teachers, str(work), tp=1, timeout=600)
     rows = HandPackedRows("packed")
     alone = {name: [[torch.log_softmax(hf_logits(folder, torch.from_numpy(doc)[None])[0], -1) for doc in row]
