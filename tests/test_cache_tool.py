@@ -289,8 +289,8 @@ def test_a_resume_with_another_layout_or_mask_setting_is_refused_in_one_line(pai
 BAD_DOCUMENTS = {   # JSONL records, tokenizer ("json": no chat template; "chat": one), extra flags, the error
     "messages without a chat template": (
         [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}], "json", (),
-        "error: tokenizer 'tokenizer.json:sha256=.*' has no chat template: conversations \\(`messages`\\) are rendered by "
-        "one"),
+        "error: tokenizer 'tokenizer.json:sha256=.*' has no chat template: conversations \\(`messages`\\) are "
+        "rendered by one"),
     "no assistant turn": (
         [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
          {"messages": [{"role": "user", "content": "hi"}]}], "chat", (),

@@ -299,9 +299,9 @@ def compute_shard(windows: np.ndarray, row_masks: tuple[np.ndarray, np.ndarray],
     position_ids int32 ``[P, S]``; the row source's), the teacher's ids sorted ascending per row, each filled in
     place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); the row masks are
     stored where the store's schema holds them, and there the tokens of loss mask 0 get padding slots where the
-    store's kind says so (:func:`pad_unread_tokens`). ``chunk_bytes``: the fused head's block budget (:func:`teacher_rows`);
-    ``cp_group``: the teacher's context-parallel group (``teacher_fn`` gives this rank's slice, the rows are whole on
-    every rank)."""
+    store's kind says so (:func:`pad_unread_tokens`). ``chunk_bytes``: the fused head's block budget
+    (:func:`teacher_rows`); ``cp_group``: the teacher's context-parallel group (``teacher_fn`` gives this rank's
+    slice, the rows are whole on every rank)."""
     stored_masks = dict(zip((fmt.LOSS_MASK, fmt.POSITION_IDS), row_masks))
     names = [name for name in fmt.sample_arrays(spec) if name not in (fmt.TOKENS, fmt.RECORDS, *stored_masks)]
     dtypes = {fmt.IDS: np.int32, fmt.LOGPROBS: spec.logprob_dtype, fmt.REALISED_LOGPROB: spec.realised_codec.dtype}
@@ -521,8 +521,8 @@ def write_cache(source: TokenWindows, teacher_fn: TeacherFn, output, *, k: int, 
 
     ``source``: a row source (``TokenWindows`` or a documents layout's rows: ``windows``, ``row_masks``, ``layout``,
     ``packing``); its layout is recorded in the store, its loss mask and positions stored where the format holds
-    them (``format.py``), its packing statistics recorded when the store is finished (``describe_packing``: the
-cache command prints them).
+    them (``format.py``), its packing statistics recorded when the store is finished (the cache command prints them:
+    :func:`describe_packing`).
 
     ``mode="sampled"`` writes ``k`` draws per token from q ∝ p^(1/proposal_temperature) (see ``format.py``);
     ``kind_fields`` are the ``format.CacheSpec`` fields of the other kinds of store (``kinds/``: ``top_p`` and

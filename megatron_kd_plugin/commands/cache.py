@@ -363,14 +363,14 @@ def run(args, *, on_shard_written=lambda shards_written: None) -> None:
 
 def check_cp(args, kind: str, *, layout: str, cuda: bool) -> None:
     """ValueError, in one line, for a ``--cp`` the run cannot take: 2·cp must divide the window; only rows of one
-    document each (the ``stream`` layout: megatron-core's load-balanced CP split would cut the documents of a
-    ``layout`` of several per row); only a Hugging Face teacher (through Megatron-Bridge, whose provider takes the CP
+    document each (megatron-core's load-balanced CP split would cut the documents of a ``layout`` of several per
+    row: ``several_documents``); only a Hugging Face teacher (through Megatron-Bridge, whose provider takes the CP
     size) and only on CUDA, where Transformer Engine's attention runs context parallelism (megatron-core's local
     attention refuses it)."""
     if args.cp == 1:
         return
     check_cp_seq_length(args.seq_length, args.cp)
-    if layout != "stream":
+    if LAYOUTS[layout].several_documents:
         raise ValueError(f"--cp={args.cp} with --layout {layout}: context parallelism with rows of several documents "
                          "is not supported; cache them with --cp 1 (or --layout stream)")
     if kind != "hf":

@@ -10,8 +10,8 @@ the writer reads.
 - ``planned_rows.py``: the rows of the two documents layouts (pieces, masks, positions, packing figures);
   ``row_input.py``: what a layout is given.
 
-A new layout is a module here with a ``name`` and ``rows(source, seq_length, *, num_samples)``, and one line in
-:data:`LAYOUTS`.
+A new layout is a module here with a ``name``, ``several_documents`` (whether a row may hold several: context
+parallelism refuses such rows) and ``rows(source, seq_length, *, num_samples)``, and one line in :data:`LAYOUTS`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ class DocumentLayout:
     """One document (or, split, one piece) per row."""
 
     name = "document"
+    several_documents = True                # the document and the padding after it, its own run of positions
 
     def rows(self, source: RowInput, seq_length: int, *, num_samples: int | None) -> PlannedRows:
         return PlannedRows(source.documents(self.name), seq_length, layout=self.name, place=one_per_row,

@@ -75,6 +75,7 @@ class PackedLayout:
     """Documents packed into rows (module docstring); longer documents always split."""
 
     name = "packed"
+    several_documents = True
 
     def rows(self, source: RowInput, seq_length: int, *, num_samples: int | None) -> PlannedRows:
         if source.split_documents:

@@ -13,6 +13,8 @@ class StreamLayout:
     """Windows over the stream of text or indexed-dataset tokens."""
 
     name = "stream"
+    several_documents = False
+    """Its rows may hold several documents each (the teacher attends within each only)."""
 
     def rows(self, source: RowInput, seq_length: int, *, num_samples: int | None) -> TokenWindows:
         if source.input_kind not in ("text", "indexed"):
