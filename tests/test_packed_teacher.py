@@ -162,9 +162,10 @@ def _table_teacher():
 def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teachers_rows(tmp_path):
     """Under the default grid codec: a packed store holds padding (id 0, log-prob -inf) at every token of loss mask 0
     and, at the others, the rows of the stream store of the same windows (a context-free teacher), which keeps every
-    row."""
+    row; ``inspect`` summarises the packed store's mask-1 tokens only."""
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.cache.writer import write_cache
+    from megatron_kd_plugin.commands.inspect import describe
 
     options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
     readers = {}
@@ -179,6 +180,10 @@ def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teacher
         assert torch.equal(packed.teacher.logprobs[read], stream.teacher.logprobs[read])
         assert not packed.teacher.ids[~read].any() and torch.isneginf(packed.teacher.logprobs[~read]).all()
         assert torch.isfinite(stream.teacher.logprobs).all()
+    read = np.stack([readers["packed"][i].loss_mask.numpy() for i in range(len(ROWS))]).ravel() == 1
+    (_, packed_stats), (_, stream_stats) = describe(tmp_path / "packed"), describe(tmp_path / "stream")
+    for name, values in packed_stats.items():       # inspect summarises the tokens the loss reads, not the padding
+        np.testing.assert_allclose(values, stream_stats[name][read])
 
 
 def test_repair_rewrites_a_damaged_loss_mask_shard_of_a_packed_store_byte_for_byte(tmp_path):

@@ -2,7 +2,8 @@
 
 Prints the attributes, completeness (and the missing samples of an unfinished store), bytes on disk per token
 (total and per array; zarr temporaries a kill left are counted apart, the next run deletes them), and over up to
-N written samples (evenly spaced) the quantiles of the top-K mass m = Σ_k p_k and of the teacher entropy over the
+N written samples (evenly spaced), at the tokens the loss reads (loss mask 1: every token of a stream store), the
+quantiles of the top-K mass m = Σ_k p_k and of the teacher entropy over the
 K+1 buckets (the K ids plus the tail as one bucket: H = −Σ_k p_k log p_k − (1−m) log(1−m), a lower bound of the
 full-vocab entropy). For a top-p store, also the number of ids kept per token (the finite slots) and the mass
 they hold. For a sampled store (``mode``
@@ -104,10 +105,12 @@ def describe(path, samples: int = 256, check: bool = False,
     stats: dict[str, np.ndarray] = {}
     if len(picked):
         rows = [checked.read(int(i)) for i in picked]
-        stats = spec.kind.statistics(np.stack([row[fmt.IDS] for row in rows]),
-                                     np.stack([row[fmt.LOGPROBS] for row in rows]))
+        read = np.stack([row[fmt.LOSS_MASK] for row in rows]) == 1 if fmt.LOSS_MASK in rows[0] else \
+            np.ones((len(rows), spec.seq_length), dtype=bool)   # [n, S]: the tokens the loss reads
+        stats = spec.kind.statistics(np.stack([row[fmt.IDS] for row in rows])[read],
+                                     np.stack([row[fmt.LOGPROBS] for row in rows])[read])
         header = "  ".join(f"q{int(q * 100):>3}" for q in QUANTILES)
-        lines.append(f"over {len(picked)} samples ({len(picked) * spec.seq_length} tokens):   {header}")
+        lines.append(f"over {len(picked)} samples ({int(read.sum())} tokens the loss reads):   {header}")
         for name, values in stats.items():
             row = "  ".join(f"{v:4.3f}" if values.dtype.kind == "f" else f"{v:5.0f}"
                             for v in np.quantile(values, QUANTILES, method="lower" if values.dtype.kind != "f"
