@@ -82,7 +82,7 @@ def test_wheel_list_matches_the_stages_imports_and_the_constraints():
     wheels = _wheel_list()
     preinstalled = _closure(RELIED_ON)
     provided_by = importlib.metadata.packages_distributions()
-    assert set(STAGE_IMPORTS) == {"correctness", "loss", "step", "student", "tests"}
+    assert set(STAGE_IMPORTS) == {"correctness", "loss", "step", "student", "head", "tests"}
     for stage, modules in STAGE_IMPORTS.items():
         distributions = {_canonical(provided_by[module.split(".")[0]][0]) for module in modules
                          if not module.startswith("megatron_kd_plugin")}
@@ -208,7 +208,7 @@ def test_preflight_on_a_python_that_is_a_venv(lent_machine, tmp_path):
 def test_rehearsal_on_a_bare_machine(lent_machine, tmp_path):
     """The whole check as the lent machine runs it, on CPU: every stage starts, prints its figures and ends ok, except
     the last one, cut by a simulated budget of 1 s, which is named CUT while the run still ends with its summary;
-    $OUT holds at most 6 files, no folders; the carried size is printed."""
+    $OUT holds at most 7 files, no folders; the carried size is printed."""
     venv_bin, wheels, _ = lent_machine
     env = _clean_env(tmp_path, PATH=os.pathsep.join([str(venv_bin), "/usr/bin", "/bin"]), KD_GPU_WHEELS=str(wheels))
     done = subprocess.run(["bash", str(SCRIPT), "--budget", "tests=1"], env=env, capture_output=True, text=True,
@@ -217,14 +217,16 @@ def test_rehearsal_on_a_bare_machine(lent_machine, tmp_path):
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
     out = tmp_path / "out"
     files = sorted(path.name for path in out.iterdir())
-    assert len(files) <= 6 and all((out / name).is_file() for name in files), files
-    assert files == sorted(["summary.md", "correctness.log", "loss.log", "step.log", "student.log", "tests.log"])
+    assert len(files) <= 7 and all((out / name).is_file() for name in files), files
+    assert files == sorted(["summary.md", "correctness.log", "loss.log", "step.log", "student.log", "head.log",
+                            "tests.log"])
     summary = (out / "summary.md").read_text()
     assert "no CUDA" in summary
-    for stage in ("correctness", "loss", "step", "student"):
+    for stage in ("correctness", "loss", "step", "student", "head"):
         assert f"== stage {stage} ok" in summary, (stage, summary)
     assert "== stage tests CUT at its 1 s budget" in summary and "not ok: tests (cut at 1 s)" in summary
     assert "result: correctness ok" in summary and "| fused_triton/grad_in_forward |" in summary
     assert "| step | fused_grad_in_forward |" in summary and "result: kd loss" in summary
+    assert "result: fused teacher head ids equal torch.topk's" in summary
     carried = re.search(r"the checkout with its wheels is (\d+) MiB", summary)
     assert carried and int(carried.group(1)) < 64, summary[:2000]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for one lent H200 (no network; its python3 is itself a venv holding torch): ~7 minutes.
+# The prepared GPU check, for one lent H200 (no network; its python3 is itself a venv holding torch): ~8 minutes.
 #   bash tools/gpu_check.sh --download    where the package index is reachable: fetch tools/gpu_wheels.txt's wheels
 #                                         (CPython $wheel_python, Linux x86_64) into tools/wheels/ (git-ignored)
 #   bash tools/gpu_check.sh               on the GPU machine, with tools/wheels/ carried beside the checkout
@@ -35,12 +35,15 @@
 #                          to the planner's (tools/bench_step.py)
 #   student      60 [~40]: a megatron-core student trained by KD under megatron-core's schedule
 #                          (tools/gpu_student_check.py)
-#   tests        what is left of 420 s, if >= 45: the kernel and Triton-loss tests, compiled
-# Preflight ~20 s + 410 s of stage budgets: under 7 minutes when no stage is cut (each gets 5 s more to die).
+#   head         60 [~30]: the cache command's fused teacher head at V = 201,088, H = 2,880, T = 32K and 128K
+#                          against torch.topk over the full bf16 logits: ms, peak GiB, the same ids
+#                          (tools/gpu_teacher_head_check.py)
+#   tests        what is left of 480 s, if >= 45: the kernel and Triton-loss tests, compiled
+# Preflight ~20 s + 470 s of stage budgets: under 8 minutes when no stage is cut (each gets 5 s more to die).
 # Without CUDA (the CPU rehearsal, tests/test_gpu_check.py) every stage runs at tiny shapes on CPU (the Triton
 # kernels interpreted): the same scripts and the same paths, figures meaningless.
 #
-# $OUT (the device tool returns it; else bench_results/gpu_check-<UTC time>/) gets at most 6 files, no folders:
+# $OUT (the device tool returns it; else bench_results/gpu_check-<UTC time>/) gets at most 7 files, no folders:
 # summary.md (read it first: the preflight, every figure line of every stage, each stage's end: ok / FAILED / CUT)
 # and one <stage>.log per stage. Exit status: 0 every stage ok; 1 a stage failed or was cut (never 124: that is the
 # whole command's timeout); 2 no usable Python; 3 something missing (named).
@@ -51,8 +54,8 @@ wheels=${KD_GPU_WHEELS:-$repo/tools/wheels}
 wheel_list=$repo/tools/gpu_wheels.txt
 wheel_python=${KD_GPU_PYTHON_VERSION:-3.12}   # the lent machine's: Python 3.12.3 (the device notes, KINDS.md)
 max_wheel_mib=40                              # the carry limit is 64 MiB with the checkout (~4 MiB)
-total_s=420
-declare -A budget_s=([correctness]=90 [loss]=150 [step]=110 [student]=60 [tests]=0)
+total_s=480
+declare -A budget_s=([correctness]=90 [loss]=150 [step]=110 [student]=60 [head]=60 [tests]=0)
 
 wheel_pins() {  # "name==version" of every wheel in the list
   sed -e 's/#.*//' -e 's/[[:space:]]//g' "$wheel_list" | grep -v '^$'
@@ -204,6 +207,7 @@ if $cuda; then
     --ffn 2880 --seq-lengths 32768 --micro-batch 1 --one-process --budget-s $((budget_s[step] - 25)) \
     --variants fused_grad_in_forward,fused_recompute,forward_chunked,dense,megatron_peer
   run_stage student "$py" tools/gpu_student_check.py
+  run_stage head "$py" tools/gpu_teacher_head_check.py
   tests=(tests/test_kernels.py tests/test_loss_triton.py)
 else
   say "no CUDA: a CPU rehearsal, every stage at tiny shapes (Triton interpreted); figures meaningless"
@@ -213,6 +217,7 @@ else
   run_stage step "$py" tools/bench_step.py --device cpu --hidden 32 --vocab 512 --heads 4 --groups 2 --ffn 64 \
     --seq-lengths 64 --k 8 --one-process --variants fused_grad_in_forward,fused_recompute,forward_chunked,dense
   run_stage student "$py" tools/gpu_student_check.py --dry-run
+  run_stage head "$py" tools/gpu_teacher_head_check.py --device cpu --tokens 96 --vocab 1000 --hidden 32 --k 8
   tests=(--collect-only tests/test_kernels.py tests/test_loss_triton.py)
 fi
 left=$((total_s - $(elapsed)))

@@ -29,6 +29,8 @@ STAGE_IMPORTS = {
              "megatron_kd_plugin.commands.plan"],
     "student": ["torch", "triton", "numpy", "megatron.core", "zarr", "numcodecs", "tqdm", "megatron_kd_plugin.cache",
                 "megatron_kd_plugin.bridge.forward_step", "megatron_kd_plugin.cpu_compat"],
+    "head": ["torch", "triton", "numpy", "zarr", "numcodecs", "tqdm", "megatron_kd_plugin.cache.writer",
+             "megatron_kd_plugin.cache.teacher_head"],
     "tests": ["torch", "triton", "numpy", "pytest", "megatron.core", "megatron_kd_plugin.kernels"],
 }
 """Modules each stage of gpu_check.sh imports (tests/test_gpu_check.py holds tools/gpu_wheels.txt to exactly the
