@@ -37,6 +37,15 @@ def tiny_hf_gpt_oss(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def installed_package(tmp_path_factory):
+    """The checkout's package installed non-editable into a folder outside it (``tests/test_packaging.py``'s
+    ``install_package``), once per test run: the packaging test and the demo's run from an installation share it."""
+    from tests.test_packaging import install_package
+
+    return install_package(tmp_path_factory.mktemp("installed") / "site")
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server (SeaweedFS's ``weed``, ``tests/s3_server.py``) started once per session, with the bucket
     ``kdtest``; its ``AWS_*`` variables and an MSC config of the profile ``local`` (``MSC_CONFIG``) are set in this

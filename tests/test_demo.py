@@ -22,7 +22,7 @@ from megatron_kd_plugin.demo import data
 from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
 from megatron_kd_plugin.demo.pipeline import MODELS, PRESETS, main
 from megatron_kd_plugin.demo.scratch import prepare_output
-from tests.test_packaging import install_package, outside_repo_env
+from tests.test_packaging import outside_repo_env
 from tests.distributed import scaled
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -301,7 +301,8 @@ def test_compression_keeps_the_chosen_layers_and_most_active_mlp_channels(tiny_h
         qwen3_models.compress(teacher, (1, 0), 0.5, calibration)
 
 
-def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_the_checkout(tmp_path):
+def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_the_checkout(tmp_path,
+                                                                                         installed_package):
     """The whole mini demo in a fresh process from a non-editable installation outside the checkout (the package's
     own cache / plan / train commands under it); then its KD heal command, as the demo wrote it to commands.sh, run
     again from the checkout: the same losses and the same exported weights, to the last bit."""
@@ -310,9 +311,8 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     from safetensors.torch import load_file
 
     folder = tmp_path / "run"
-    installed = install_package(tmp_path / "site")
     done = subprocess.run([sys.executable, "-m", "megatron_kd_plugin", "demo", "--preset", "mini", "--output",
-                           str(folder)], cwd=tmp_path, env=outside_repo_env(installed), capture_output=True,
+                           str(folder)], cwd=tmp_path, env=outside_repo_env(installed_package), capture_output=True,
                           text=True, timeout=scaled(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((folder / "metrics.json").read_text())
