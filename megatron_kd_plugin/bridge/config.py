@@ -65,7 +65,8 @@ def check_kd_config(cfg: ConfigContainer) -> None:
     ones megatron-core builds (``models.hf.check_expert_parallel``: expert TP 1 where the experts have biases, the
     experts' grid dividing the world); every store of the dataset is a
     finished cache whose rows fit the student (``TopKCacheDatasetProvider.row_kinds``: K, vocabulary, seq_length a
-    multiple of the student's, which is the dataset's; the stores of a blend or ensemble together) and the loss
+    multiple of the student's, which is the dataset's, and equal to it for a store of packed or per-document rows,
+    which are read whole; the stores of a blend or ensemble together) and the loss
     options and parallelism (``RowKind.check``: e.g. a sampled store needs kd.tail='sampled', a cross-tokenizer
     student no context parallelism; options measured to leave a healed student worse than it started are refused, or
     warned about before step one: ``loss.options.check_training_options``); with context parallelism 2·cp divides

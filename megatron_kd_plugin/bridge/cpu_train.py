@@ -3,11 +3,12 @@
 Megatron-Bridge's training loop and megatron-core's schedules assume CUDA (``forward_backward_no_pipelining``
 allocates ``total_num_tokens`` on "cuda"), so on a machine without CUDA this loop drives the same pieces: it runs
 megatron-core's own per-microbatch ``forward_step`` (which applies the ``forward_step_calc_loss`` contract: the
-3-tuple loss divided by num_tokens and by the number of microbatches) and ``backward_step``, then all-reduces
-gradients over data parallelism (and, as megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel
-norm gradients over TP), clips them by their TP-aware global norm (megatron-core's rule), and steps a plain
-``torch.optim.AdamW`` under Bridge's learning-rate scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it
-resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
+3-tuple loss divided by num_tokens and by the number of microbatches, or, with ``calculate_per_token_loss``, left
+summed) and ``backward_step``, then all-reduces gradients over data parallelism, divided by its size (or by the
+step's masked-in tokens over DP, as ``finalize_model_grads`` does with ``calculate_per_token_loss``), and, as
+megatron's ``finalize_model_grads``, the QK-norm / sequence-parallel norm gradients over TP, clips them by their
+TP-aware global norm (megatron-core's rule), and steps a plain ``torch.optim.AdamW`` under Bridge's learning-rate
+scheduler. Checkpoints follow Bridge (``cpu_checkpoint``): it resumes from the latest in ``checkpoint.load``, else starts from ``checkpoint.pretrained_checkpoint`` when that is
 a HF folder (AutoBridge's weight loading), and saves every ``checkpoint.save_interval`` steps, at the end and when
 it stops at ``train.exit_interval`` (Bridge's rules) when ``checkpoint.save`` is set. It logs as Bridge's loop does
 (``cpu_log``): a line every ``logger.log_interval`` steps, TensorBoard events through Bridge's writer and the step
@@ -17,8 +18,11 @@ no evaluation, mixed precision or pipeline parallelism; on a GPU, ``python -m me
 
     models, history = train_on_cpu(cfg)   # history[i] = {"step", "loss", "lr", "grad norm", "kd loss", ...}
 
-"loss" is the optimised objective (alpha * tau^2 * KD + (1 - alpha) * CE per token); the other entries are
-Bridge's report pairs reduced as Bridge logs them (sum over microbatches and DP ranks / token count).
+"loss" is the optimised objective (alpha * tau^2 * KD + (1 - alpha) * CE per masked-in token), normalised as
+megatron-core's schedules normalise it: each microbatch's sum over its own tokens, averaged over microbatches and DP
+ranks; with ``model.calculate_per_token_loss`` the step's sum over the tokens of all its microbatches and DP ranks
+(``finalize_model_grads``' rule; the gradients likewise). The other entries are Bridge's report pairs reduced as
+Bridge logs them (sum over microbatches and DP ranks / token count).
 """
 
 from __future__ import annotations
@@ -125,14 +129,29 @@ def _is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _average_grads_over_data_parallel(params, dp_size: int) -> None:
-    """What megatron-core's DDP does: sum each gradient over the ranks that hold the same parameter and saw other
-    data (the data-parallel group; for an expert's, the expert data-parallel group: the other EP ranks hold other
-    experts) and divide by the data-parallel size (an expert's gradient already sums the tokens of its EP group)."""
+def _reduce_grads_over_data_parallel(params, divisor: torch.Tensor) -> None:
+    """What megatron-core's DDP and ``finalize_model_grads`` do: sum each gradient over the ranks that hold the same
+    parameter and saw other data (the data-parallel group; for an expert's, the expert data-parallel group: the
+    other EP ranks hold other experts) and divide by the step's ``divisor`` (``_step_divisor``; an expert's gradient
+    already sums the tokens of its EP group)."""
     groups = {False: parallel_state.get_data_parallel_group(), True: parallel_state.get_expert_data_parallel_group()}
     for param in params:
         dist.all_reduce(param.grad, group=groups[_is_expert(param)])
-        param.grad /= dp_size
+        param.grad /= divisor
+
+
+def _step_divisor(num_tokens: torch.Tensor, *, per_token: bool, dp_group) -> torch.Tensor:
+    """What a step's summed gradients and losses are divided by, as megatron-core's schedules do: the data-parallel
+    size, each rank's loss being already its microbatches' mean of per-microbatch token means (``forward_step``
+    divides each microbatch by its ``num_tokens`` and their number); with ``calculate_per_token_loss``
+    (``per_token``: ``forward_step`` leaves each microbatch's loss summed), the masked-in tokens of the whole step,
+    ``num_tokens`` (int [], this rank's microbatches) summed over data parallelism, at least 1
+    (``finalize_model_grads``). float32 []."""
+    if not per_token:
+        return torch.tensor(float(dist.get_world_size(dp_group)))
+    total = num_tokens.clone()
+    dist.all_reduce(total, group=dp_group)
+    return total.clamp(min=1).float()
 
 
 def _clip_grad_norm(params, max_norm: float) -> float:
@@ -211,21 +230,23 @@ def train_on_cpu(cfg, forward_step_func=kd_forward_step, *, progress: bool = Tru
         started = time.perf_counter()
         for param in params:
             param.grad = None
-        reports, loss = [], torch.zeros(())
+        reports, loss, num_tokens = [], torch.zeros(()), torch.zeros((), dtype=torch.int)
         for microbatch in range(num_microbatches):
-            output, _ = forward_step(step_func, data_iterator, models[0], num_microbatches, None, reports,
-                                     model_config, cp_group_size=1, is_first_microbatch=microbatch == 0,
-                                     current_microbatch=microbatch)
+            output, tokens = forward_step(step_func, data_iterator, models[0], num_microbatches, None, reports,
+                                          model_config, cp_group_size=1, is_first_microbatch=microbatch == 0,
+                                          current_microbatch=microbatch)
             backward_step(None, output, None, model_config)
-            loss += output.detach()   # already divided by num_tokens and num_microbatches
-        _average_grads_over_data_parallel(params, dp_size)
+            loss += output.detach()   # divided by its num_tokens and num_microbatches, unless calculate_per_token_loss
+            num_tokens += tokens
+        divisor = _step_divisor(num_tokens, per_token=model_config.calculate_per_token_loss, dp_group=dp_group)
+        _reduce_grads_over_data_parallel(params, divisor)
         _allreduce_replicated_grads_over_tp(models[0], model_config)
         grad_norm = _clip_grad_norm(params, opt.clip_grad)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step(increment=cfg.train.global_batch_size)
         dist.all_reduce(loss, group=dp_group)
-        history.append({"step": step, "loss": float(loss) / dp_size, "lr": lr, "grad norm": float(grad_norm),
+        history.append({"step": step, "loss": float(loss / divisor), "lr": lr, "grad norm": float(grad_norm),
                         **_reduce_report(reports, dp_group)})
         log.step(history[-1], time.perf_counter() - started)
         state.train_state.step = done = step + 1

@@ -118,7 +118,8 @@ class TopKCacheDatasetProvider(DatasetProvider):
     Cut by ``split``; it takes the place of ``cache_path`` and cannot be combined with a blend."""
 
     seq_length: int
-    """Student sequence length; must divide the cache's seq_length (one cached sample = several student rows)."""
+    """Student sequence length; must divide the cache's seq_length (one cached sample = several student rows), and
+    equal it for a store of packed or per-document rows (read whole: a window would cut their documents)."""
 
     k: int | None = None
     """Expected top-K of every store; None accepts each store's K."""

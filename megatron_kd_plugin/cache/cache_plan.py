@@ -125,22 +125,12 @@ class CachePlan:
 
 def teacher_shape(provider) -> TeacherShape:
     """The :class:`TeacherShape` of a finalized ``GPTModelProvider`` at its parallel sizes (weights counted by
-    Megatron-Bridge's ``estimate_training_memory``, optimizer-free). Bridge 0.6.2 counts three MLP projections only
-    for a gated unit whose activation is SiLU (``_ffn_projection_factor``); every gated unit has three (fc1 makes
-    2F), so a gated teacher is counted as SiLU (gpt-oss's clamped gated activation: its 114.7 B expert parameters
-    were counted as 76.4 B)."""
-    import copy
+    ``models.hf.estimate_model_state``: Megatron-Bridge's estimator, optimizer-free, every gated MLP with three
+    projections)."""
+    from megatron_kd_plugin.models.hf import estimate_model_state, padded_vocab_size
 
-    import torch.nn.functional as F
-    from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
-
-    from megatron_kd_plugin.models.hf import padded_vocab_size
-
-    counted = copy.copy(provider)
-    if provider.gated_linear_unit:
-        counted.activation_func = F.silu
-    estimate = estimate_training_memory(
-        types.SimpleNamespace(model=counted, optimizer=types.SimpleNamespace(use_distributed_optimizer=False),
+    estimate = estimate_model_state(
+        types.SimpleNamespace(model=provider, optimizer=types.SimpleNamespace(use_distributed_optimizer=False),
                               data_parallel_size=1), include_activation=False)
     heads = provider.num_attention_heads
     moe = bool(getattr(provider, "num_moe_experts", None))

@@ -12,8 +12,8 @@ flags of the same names.
 The recipes take the student's architecture from its HF checkpoint (``--hf-path``: a folder, of which only
 config.json is read, or a hub id, fetched like the train command fetches it).
 
-Model state comes from Megatron-Bridge's estimator (``estimate_training_memory``: parameters on the most loaded
-shard; 2 B weights + 4 B fp32 gradients + 12 B Adam state per parameter, the Adam state sharded with the
+Model state comes from Megatron-Bridge's estimator (``estimate_training_memory`` through ``models.hf.
+estimate_model_state``, which counts every gated MLP with three projections: parameters on the most loaded shard; 2 B weights + 4 B fp32 gradients + 12 B Adam state per parameter, the Adam state sharded with the
 distributed optimizer); this module splits it into weights / gradients / optimizer. Activations are counted here,
 per layer, from what megatron-core's layers save for their backward (Bridge's Korthikanti et al. formula,
 18·H + 4·F bytes per token at bf16, assumes a plain GPT layer: it misses the SwiGLU's doubled fc1, the wider query
@@ -297,10 +297,8 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
     """The per-GPU memory of KD run ``cfg`` (a ``KDConfigContainer``) on ``gpus`` GPUs (default: TP·CP·PP, one DP
     rank); ``device`` picks the layers planned (``layer_shape``) and the loss's default chunk budget;
     ``with_optimizer`` / ``transient_dw`` False describe a bare forward + backward."""
-    from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
-
     from megatron_kd_plugin.loss.options import DEFAULT_CHUNK_BYTES
-    from megatron_kd_plugin.models.hf import check_expert_parallel
+    from megatron_kd_plugin.models.hf import check_expert_parallel, estimate_model_state
 
     cfg = copy.deepcopy(cfg)
     model = cfg.model
@@ -311,7 +309,7 @@ def plan_memory(cfg, *, gpus: int | None = None, num_microbatches: int | None = 
         raise ValueError(f"gpus={gpus} is not a multiple of TP x CP x PP = {model_parallel}")
     check_expert_parallel(model, gpus)   # a MoE student at expert sizes megatron-core would refuse: one line
     cfg.data_parallel_size = gpus // model_parallel   # Bridge sets it at run time from the world size
-    estimate = estimate_training_memory(cfg, num_microbatches=num_microbatches, include_activation=False)
+    estimate = estimate_model_state(cfg, num_microbatches=num_microbatches, include_activation=False)
     a = _activation_bytes(cfg)
     params = sum(c.parameter_count_per_gpu for c in estimate.model_state_components)
     # Bridge's bytes per parameter: 2 (bf16 weights) + 4 (fp32 grads) + 12 (fp32 master, m, v) / optimizer shard

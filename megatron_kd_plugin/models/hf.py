@@ -217,6 +217,23 @@ def set_inference_mode(provider) -> None:
         provider.moe_input_jitter_eps = None
 
 
+def estimate_model_state(cfg, **kwargs):
+    """Megatron-Bridge's ``estimate_training_memory(cfg, **kwargs)`` with every gated MLP counted with its three
+    projections. Bridge 0.6.2 counts three only when the gated unit's activation is SiLU
+    (``_ffn_projection_factor``), but fc1 of any gated unit makes 2F (gpt-oss's clamped gated activation: its
+    114.7 B expert parameters were counted as 76.4 B); ``cfg`` is left as it is."""
+    import copy
+
+    import torch.nn.functional as F
+    from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
+
+    if cfg.model.gated_linear_unit and cfg.model.activation_func is not F.silu:
+        cfg = copy.copy(cfg)
+        cfg.model = copy.copy(cfg.model)
+        cfg.model.activation_func = F.silu
+    return estimate_training_memory(cfg, **kwargs)
+
+
 def padded_vocab_size(provider) -> int:
     """Rows of the output layer (all TP ranks together): the true vocab padded as Megatron pads it."""
     from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size

@@ -1,10 +1,10 @@
 """An ensemble of teachers: top-K stores cached from different teachers over the same samples, mixed per token.
 
 The math, once. Teachers j = 1..J with weights pi_j > 0 (normalised to sum 1) cached the same samples (the same
-tokens, checked on every read); per token teacher j holds ids I_j [K_j] and log-probs l_j [K_j] over its full
-vocabulary (-inf: a padding slot of a top-p store), its top-K mass m_j = sum_k exp(l_jk) <= 1, and the rest of its
-distribution p_j, 1 - m_j, is unknown (its tail). The ensemble's teacher is the mixture p = sum_j pi_j p_j as far as
-the stores know it, on the union U = I_1 u ... u I_J of the ids:
+layout; the same tokens, loss masks and positions, checked on every read); per token teacher j holds ids I_j [K_j]
+and log-probs l_j [K_j] over its full vocabulary (-inf: a padding slot of a top-p store), its top-K mass
+m_j = sum_k exp(l_jk) <= 1, and the rest of its distribution p_j, 1 - m_j, is unknown (its tail). The ensemble's
+teacher is the mixture p = sum_j pi_j p_j as far as the stores know it, on the union U = I_1 u ... u I_J of the ids:
 
     P(v) = sum_j pi_j exp(l_j(v)) [v in I_j]                  for v in U     (a teacher that did not keep v adds 0)
     1 - sum_{v in U} P(v) = sum_j pi_j (1 - m_j)                             (the mass outside: each teacher's tail)
@@ -62,7 +62,7 @@ class EnsembleRows(RowKind):
             if member.teacher_type is not TopKTeacher:
                 raise ValueError(f"{member.reader.path}: an ensemble mixes top-K (or top-p) stores of the teacher's "
                                  f"tokenizer, not {type(member).__name__} (sampled draws estimate one teacher)")
-            for name in ("tokenizer", "seq_length", "temperature"):
+            for name in ("tokenizer", "seq_length", "temperature", "layout"):
                 mine, theirs = getattr(member.reader.spec, name), getattr(first.reader.spec, name)
                 if mine != theirs:
                     raise ValueError(f"an ensemble's stores must share their {name}: {first.reader.path} has "
@@ -104,7 +104,9 @@ class EnsembleRows(RowKind):
     def row(self, sample: int, window: int) -> KDRow:
         rows = [member.row(sample, window) for member in self.members]
         for member, row in zip(self.members[1:], rows[1:]):
-            if not torch.equal(row.tokens, rows[0].tokens) or not torch.equal(row.labels, rows[0].labels):
+            if not all(torch.equal(getattr(row, name), getattr(rows[0], name))
+                       for name in ("tokens", "labels", "loss_mask", "position_ids")):
                 raise ValueError(f"sample {sample}: {member.reader.path} holds other tokens than "
-                                 f"{self.members[0].reader.path}; an ensemble's stores must cache the same samples")
+                                 f"{self.members[0].reader.path} (or other loss masks or positions); an ensemble's "
+                                 "stores must cache the same samples")
         return rows[0]._replace(teacher=mixture_teacher([row.teacher for row in rows], self.weights))

@@ -42,13 +42,18 @@ class KDRow(NamedTuple):
     #                                     (``KDRows`` sets it; a blend's per-source figures: ``blended_rows``)
 
 
-def window_row(tokens: np.ndarray, teacher) -> KDRow:
+def window_row(tokens: np.ndarray, teacher, loss_mask: np.ndarray | None = None,
+               position_ids: np.ndarray | None = None) -> KDRow:
     """The row of a window of S + 1 cached tokens [S + 1] and its teacher ([S, ...]): labels are the tokens shifted
-    by one, every position counted."""
+    by one; ``loss_mask`` [S] (a documents store's uint8) and ``position_ids`` [S] (its int32) as stored, None: every
+    position counted and positions 0..S-1 (a stream store's window)."""
     tokens = torch.from_numpy(np.array(tokens, dtype=np.int64))       # a copy: the chunk cache's buffers are read-only
     seq_length = len(tokens) - 1
-    return KDRow(tokens[:-1], tokens[1:], torch.ones(seq_length, dtype=torch.float32),
-                 torch.arange(seq_length, dtype=torch.long), teacher)
+    loss_mask = (torch.ones(seq_length, dtype=torch.float32) if loss_mask is None
+                 else torch.from_numpy(loss_mask.astype(np.float32)))
+    position_ids = (torch.arange(seq_length, dtype=torch.long) if position_ids is None
+                    else torch.from_numpy(position_ids.astype(np.int64)))
+    return KDRow(tokens[:-1], tokens[1:], loss_mask, position_ids, teacher)
 
 
 class RowKind(abc.ABC):

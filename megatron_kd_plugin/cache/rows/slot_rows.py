@@ -9,8 +9,11 @@ S_c / S windows per sample; window w of sample i is the row
     teacher = kind.teacher(the window's stored slots [S, K])   # loss.TopKTeacher, or loss.SampledTeacher with the
                                                                 # slots' importance weights (kinds.StoreKind.weights)
 
-in the store's dtypes (int32 ids; the decoded log-probs), loss_mask 1, position_ids 0..S-1. Its loss is the top-K
-loss (``loss.topk_kd_loss``) with a tail the kind serves (``kinds.StoreKind.check_tail``).
+in the store's dtypes (int32 ids; the decoded log-probs), loss_mask 1, position_ids 0..S-1. A documents store
+(layout ``packed`` or ``document``) is read whole, S = S_c (a window would cut its documents: ``reader.validate``
+refuses another S), with the store's own loss mask and positions (``loss_mask`` as float32, ``position_ids`` as
+int64), whose restarts are the row's documents (``megatron_kd_plugin.documents``). Its loss is the top-K loss
+(``loss.topk_kd_loss``) with a tail the kind serves (``kinds.StoreKind.check_tail``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class SlotRows(RowKind):
         self.store_kind = reader.spec.kind
         self.teacher_type = self.store_kind.teacher_type
         self.names = (fmt.IDS, fmt.LOGPROBS) + self.store_kind.token_arrays(reader.spec)
+        self.row_masks = (fmt.LOSS_MASK, fmt.POSITION_IDS) if reader.spec.documents else ()   # stream: none stored
         reader.validate(seq_length=self.seq_length)
 
     @classmethod
@@ -56,8 +60,9 @@ class SlotRows(RowKind):
         return self.reader.spec.seq_length // self.seq_length
 
     def row(self, sample: int, window: int) -> KDRow:
-        arrays = self.reader.sample_arrays(sample, (fmt.TOKENS, *self.names))
+        arrays = self.reader.sample_arrays(sample, (fmt.TOKENS, *self.names, *self.row_masks))
         begin, end = window * self.seq_length, (window + 1) * self.seq_length
         # a copy: the arrays are the chunk cache's read-only buffers, shared with the next reads of the sample
         rows = {name: torch.from_numpy(arrays[name][begin:end].copy()) for name in self.names}
-        return window_row(arrays[fmt.TOKENS][begin:end + 1], self.store_kind.teacher(self.reader.spec, rows))
+        return window_row(arrays[fmt.TOKENS][begin:end + 1], self.store_kind.teacher(self.reader.spec, rows),
+                          *(arrays[name][begin:end] for name in self.row_masks))

@@ -69,12 +69,18 @@ class TopKCacheReader:
         """ValueError unless the store fits a student with these settings (None: not checked).
 
         vocab_size: the student's (padded) vocabulary; the teacher's must not be larger. seq_length: must
-        divide the cached one. k, fingerprint, tokenizer, mode: must equal the store's.
+        divide the cached one, and equal it in a documents store (its rows are read whole: a window of a packed
+        row would cut its documents). k, fingerprint, tokenizer, mode: must equal the store's.
         """
         spec = self.spec
         if vocab_size is not None and spec.vocab_size > vocab_size:
             raise ValueError(f"{self.path}: the teacher vocabulary ({spec.vocab_size} ids, tokenizer "
                              f"{spec.tokenizer!r}) is larger than the student's vocab_size={vocab_size}")
+        if seq_length is not None and spec.documents and seq_length != spec.seq_length:
+            raise ValueError(f"{self.path}: student seq_length={seq_length}, but the store holds {spec.layout} rows "
+                             f"of seq_length={spec.seq_length}, read whole (shorter windows would cut documents); "
+                             f"set model.seq_length and dataset.seq_length to {spec.seq_length}, or cache the "
+                             f"store with --seq-length {seq_length}")
         if seq_length is not None and (seq_length < 1 or spec.seq_length % seq_length):
             raise ValueError(f"{self.path}: student seq_length={seq_length} does not divide the cached "
                              f"seq_length={spec.seq_length}")
