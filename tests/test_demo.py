@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_kd_plugin.demo import data
 from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
-from megatron_kd_plugin.demo.pipeline import MODELS, PRESETS, main
+from megatron_kd_plugin.demo.pipeline import MODELS, PRESETS, HealConfig, cache_command, main
 from megatron_kd_plugin.demo.scratch import prepare_output
 from tests.test_packaging import outside_repo_env
 from tests.distributed import scaled
@@ -272,6 +272,16 @@ def test_refuses_a_used_output_folder(tmp_path, capsys):
     assert folder.is_dir() and not any(folder.iterdir())
 
 
+def test_the_layout_reaches_the_cache_command_and_another_is_refused(tmp_path):
+    corpus = type("Corpus", (), {"train_prefix": tmp_path / "train"})
+    for layout in ("stream", "packed"):
+        command = cache_command(dataclasses.replace(MINI, layout=layout), corpus, tmp_path / "t", tmp_path / "s")
+        assert command[command.index("--layout") + 1] == layout
+        assert command[command.index("--num-samples") + 1] == str(MINI.cache_samples)   # as many rows in both
+    with pytest.raises(ValueError, match="HealConfig.layout must be one of stream, packed, got 'document'"):
+        HealConfig(layout="document")
+
+
 def test_compression_keeps_the_chosen_layers_and_most_active_mlp_channels(tiny_hf_qwen3):
     """The pruned student equals, under transformers, the teacher with those layers removed and the other MLP
     channels' weights zeroed (a zeroed channel adds nothing): an independent construction of the same model."""
@@ -325,6 +335,9 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
                                          else "KD does NOT beat CE")
     assert corpus["source"].startswith("stdlib:") and len(corpus["sha256"]) == 64 and corpus["python"]
     assert corpus["sha256"][:16] in (folder / "results.md").read_text()
+    assert result["rows"] == {"layout": "stream", "rows": MINI.cache_samples,      # the default: stream windows
+                              "loss_targets": MINI.cache_samples * MINI.seq_length}
+    assert f"Heal rows: stream, {MINI.cache_samples:,} rows" in (folder / "results.md").read_text()
     assert metrics["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["teacher"]["perplexity"] < metrics["unigram"]["perplexity"]     # the teacher learnt something
     kd, ce, pruned = metrics["healed KD"], metrics["healed CE"], metrics["pruned"]

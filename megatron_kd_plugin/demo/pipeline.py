@@ -2,6 +2,7 @@
 
     python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite] [--seed N]
                                       [--corpus FOLDER_OR_JSONL [--text-key text] | --stdlib FOLDER]
+                                      [--layout stream|packed]
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
     python -m megatron_kd_plugin demo --mixture ...   # data-mixture ablation: two caches, heals on three blends
@@ -21,7 +22,8 @@ user runs them, and are written to ``commands.sh``):
              heal, a HF folder (``student_pruned/``);
 4. cache     ``torchrun --nproc_per_node 2 -m megatron_kd_plugin cache --teacher teacher/ --tp 2 --draws 64 ...``: 64
              ids per token drawn from the teacher over the samples the students will read, the first
-             ``cache_samples`` of the train split (``cache.zarr``);
+             ``cache_samples`` rows of the train split (``cache.zarr``): stream windows, or with ``--layout
+             packed`` whole documents packed into rows (longer ones split, each attended alone);
 5. plan      ``python -m megatron_kd_plugin plan`` with the heal's own arguments (``plan.txt``);
 6. heal      ``python -m megatron_kd_plugin train --recipe hf_student_kd_cpu_fp32_config --hf-path student_pruned/``
              twice from the same pruned weights, tokens, steps, schedule and seed: ``heal_kd/`` with the cache's
@@ -60,6 +62,8 @@ from megatron_kd_plugin.demo.stages import STOPPED, StageClock, add_corpus_argum
 HEAL_RECIPE = "hf_student_kd_cpu_fp32_config"
 MODELS = ("teacher", "pruned", "healed KD", "healed CE")
 """The evaluated models, in table order (``pruned``: the compressed student before healing)."""
+LAYOUTS = ("stream", "packed")
+"""The cache layouts the demo runs (``HealConfig.layout``)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -73,6 +77,11 @@ class HealConfig:
     on the stdlib every held-out file (~83, 1.16 MB; the bootstrap resamples files: 400 KB held 12)."""
     seq_length: int = 128
     """Tokens per sample: teacher, cache, heal, eval."""
+    layout: str = "stream"
+    """How the cache places the train split's documents in its rows (``cache --layout``): ``stream`` (one token
+    stream cut into windows) or ``packed`` (whole documents packed into rows, a longer one split, each attended
+    alone; loss mask 0 at a document's last token). The heals read the store's rows at its own ``seq_length``, as
+    many rows in either layout: packed rows hold fewer loss targets (``row_figures``)."""
     teacher: Qwen3Shape = Qwen3Shape(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=64, intermediate_size=768)
     """The teacher's shape."""
@@ -123,6 +132,8 @@ class HealConfig:
                      "eval_samples", "calibration_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HealConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"HealConfig.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not 0 < self.kd_alpha <= 1:
             raise ValueError(f"HealConfig.kd_alpha must be in (0, 1], got {self.kd_alpha}")
         if self.draws < 0 or self.kd_tail not in (("sampled",) if self.draws else ("renorm", "ghost")):
@@ -160,6 +171,7 @@ def load_config(folder: pathlib.Path) -> HealConfig:
     fields = json.loads((folder / "config.json").read_text())
     fields.setdefault("draws", 0)             # folders from before draws were the default cached the top-K,
     fields.setdefault("kd_tail", "ghost")     # and from before kd_tail existed healed with the ghost tail
+    fields.setdefault("layout", "stream")     # and from before layout existed cached stream windows
     return HealConfig(**dict(fields, corpus=CorpusConfig(**fields["corpus"]), teacher=Qwen3Shape(**fields["teacher"]),
                              keep_layers=tuple(fields["keep_layers"])))
 
@@ -248,9 +260,33 @@ def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib
         selection = ["--topk", str(cfg.topk), *selection]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
             "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
-            "--output", str(store), "--seq-length", str(cfg.seq_length), *selection,
+            "--output", str(store), "--seq-length", str(cfg.seq_length), "--layout", cfg.layout, *selection,
             "--tp", str(cfg.cache_tp), "--num-samples", str(cfg.cache_samples),
             "--micro-batch-size", str(cfg.micro_batch_size), "--no-progress"]
+
+
+def row_figures(cfg: HealConfig, store: pathlib.Path) -> dict:
+    """What the heals' rows hold: the layout, the rows, their loss targets (tokens whose next token is a label: S
+    per stream window; per packed piece its length - 1) and, for packed rows, the store's packing figures
+    (documents, pieces, split, dropped, efficiency = document tokens / row slots)."""
+    from megatron_kd_plugin.cache.store import format as fmt
+
+    figures = {"layout": cfg.layout, "rows": cfg.cache_samples, "loss_targets": cfg.cache_samples * cfg.seq_length}
+    packing = fmt.open_group(store, mode="r").attrs.get("packing")
+    if packing:
+        slots = cfg.cache_samples * (cfg.seq_length + 1)
+        figures.update(loss_targets=round(packing["efficiency"] * slots) - packing["pieces"], packing=packing)
+    return figures
+
+
+def rows_line(rows: dict) -> str:
+    """The heals' rows in words (``row_figures``)."""
+    line = f"Heal rows: {rows['layout']}, {rows['rows']:,} rows, {rows['loss_targets']:,} loss targets"
+    if "packing" in rows:
+        p = rows["packing"]
+        line += (f" ({p['documents']:,} documents in {p['pieces']:,} pieces, {p['split']:,} split; packing "
+                 f"efficiency {p['efficiency']:.1%})")
+    return line + "."
 
 
 def heal_arguments(cfg: HealConfig, student: pathlib.Path, store: pathlib.Path, run_dir: pathlib.Path, *,
@@ -374,9 +410,11 @@ def corpus_line(stats: dict) -> str:
     return line
 
 
-def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[str, float], corpus: dict) -> str:
+def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[str, float], corpus: dict,
+                  rows: dict) -> str:
     """The final table (markdown): one row per model, the unigram baseline, the verdict with its intervals, the
-    corpus (``corpus``: the data's stats with its fingerprint), then stage times."""
+    heals' rows (``rows``: ``row_figures``), the corpus (``corpus``: the data's stats with its fingerprint), then
+    stage times."""
     shapes = {"teacher": f"{cfg.teacher.num_hidden_layers} layers, MLP {cfg.teacher.intermediate_size}, "
                          f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
               "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
@@ -400,13 +438,13 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
               f"{o['kd_won_back_kl']:.0%}, the CE heal {o['ce_won_back_perplexity']:.0%} / {o['ce_won_back_kl']:.0%}.",
               f"Teacher perplexity {o['teacher_vs_unigram_perplexity']:+.1%} against the unigram baseline, "
               f"{o['teacher_vs_ce_perplexity']:+.1%} against the CE-healed student.",
-              corpus_line(corpus)]
+              rows_line(rows), corpus_line(corpus)]
     lines += stage_lines(seconds)
     return "\n".join(lines)
 
 
 def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
-    """All stages into ``output``; returns {"metrics", "outcome", "params", "seconds", "corpus"}.
+    """All stages into ``output``; returns {"metrics", "outcome", "params", "seconds", "corpus", "rows"}.
 
     ``output`` is refused (FileExistsError) if it holds anything and ``overwrite`` is off, and the corpus
     (CorpusError) if it cannot make the data; both before ``output`` is touched.
@@ -428,6 +466,7 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
           threads=max(1, (os.cpu_count() or 1) // cfg.cache_tp))
     plan_args = heal_arguments(cfg, pruned, store, output / "heal_kd", alpha=cfg.kd_alpha, lr=cfg.heal_lr)
     stage("plan", run_command, package_command("plan", *plan_args), output / "plan.txt", commands)
+    rows = row_figures(cfg, store)
     folders = {"teacher": teacher, "pruned": pruned}
     histories = {}
     for name, alpha, lr in (("KD", cfg.kd_alpha, cfg.heal_lr), ("CE", 0.0, cfg.ce_lr)):
@@ -446,9 +485,9 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
                  f"forward KL to the cached top-{cfg.topk} ({cfg.kd_tail} tail)")
     seconds["total"] = sum(seconds.values())
     result = {"metrics": metrics, "outcome": outcome(metrics), "params": params, "seconds": seconds,
-              "corpus": corpus.stats}
+              "corpus": corpus.stats, "rows": rows}
     (output / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-    (output / "results.md").write_text(results_table(cfg, metrics, params, seconds, corpus.stats) + "\n")
+    (output / "results.md").write_text(results_table(cfg, metrics, params, seconds, corpus.stats, rows) + "\n")
     return result
 
 
@@ -466,6 +505,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
+    parser.add_argument("--layout", choices=LAYOUTS, help="the cache's rows: stream windows or packed whole "
+                        "documents (default: the preset's, stream)")
     return parser.parse_args(argv)
 
 
@@ -473,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     changes = {name: value for name, value in (("seed", args.seed), ("teacher_steps", args.teacher_steps),
-                                               ("heal_steps", args.heal_steps)) if value is not None}
+                                               ("heal_steps", args.heal_steps), ("layout", args.layout))
+               if value is not None}
     preset = PRESETS[args.preset]
     try:
         corpus = dataclasses.replace(preset.corpus, source=args.corpus, text_key=args.text_key, stdlib=args.stdlib)
@@ -481,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_demo(cfg, args.output, overwrite=args.overwrite)
     except STOPPED as error:
         return exit_code(error, args.output)
-    print("\n" + results_table(cfg, result["metrics"], result["params"], result["seconds"], result["corpus"]))
+    print("\n" + results_table(cfg, result["metrics"], result["params"], result["seconds"], result["corpus"],
+                                result["rows"]))
     print(f"\n[demo] everything is in {args.output}/ (results.md, metrics.json, results.png, commands.sh; the "
           "healed students as HF folders in healed_kd/ and healed_ce/)")
     return 0
