@@ -372,7 +372,7 @@ def check_cp(args, kind: str, *, layout: str, cuda: bool) -> None:
     check_cp_seq_length(args.seq_length, args.cp)
     if LAYOUTS[layout].several_documents:
         raise ValueError(f"--cp={args.cp} with --layout {layout}: context parallelism with rows of several documents "
-                         "is not supported; cache them with --cp 1 (or --layout stream)")
+                         "is not supported; cache them with --cp 1")
     if kind != "hf":
         raise ValueError(f"--cp={args.cp}: context parallelism needs a Hugging Face teacher (a {kind} teacher has no "
                          "context-parallel attention)")

@@ -14,7 +14,8 @@ class StreamLayout:
 
     name = "stream"
     several_documents = False
-    """Its rows may hold several documents each (the teacher attends within each only)."""
+    """Whether a row may hold several documents attended apart (positions restarting): a stream row is one run
+    0..S-1, whatever documents it spans (the teacher attends across them)."""
 
     def rows(self, source: RowInput, seq_length: int, *, num_samples: int | None) -> TokenWindows:
         if source.input_kind not in ("text", "indexed"):
