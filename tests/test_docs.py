@@ -6,7 +6,8 @@ backslash are one line) or one of the ``tools/`` entry points that are a command
 of that command's parser (megatron_kd_plugin.command_reference.parsers), each recipe name (``--recipe NAME`` and
 any ``*_h200_bf16_config`` / ``*_cpu_fp32_config`` in the text) a key of the recipe registry, and each override
 (``section.field=value``) a field of the config section it names. No model is built. docs/reference/commands.md
-must be what the generator writes today, and every relative link must reach its file and heading.
+must be what the generator writes today, every relative link must reach its file and heading, and no page may hold a
+placeholder (TIMING, TODO, "being written") where a fact belongs.
 """
 
 from __future__ import annotations
@@ -196,3 +197,21 @@ def test_doc_links_resolve(page):
 def test_broken_link_is_caught(tmp_path):
     (tmp_path / "a.md").write_text("# A page\n\n[ok](#a-page) [gone](b.md) [moved](a.md#no-such-part)\n")
     assert link_problems(tmp_path / "a.md") == ["b.md: no such file", "a.md#no-such-part: no such heading"]
+
+
+PLACEHOLDER = re.compile(r"\bTIMING\b|\bTODO\b|\bTBD\b|\bFIXME\b|being written|<!-- *placeholder", re.I)
+
+
+def placeholder_problems(text: str) -> list[str]:
+    """Lines of a Markdown text that hold a placeholder instead of the fact (a timing, a section to come)."""
+    return [line.strip() for line in text.splitlines() if PLACEHOLDER.search(line)]
+
+
+@pytest.mark.parametrize("page", doc_files(), ids=lambda page: str(page.relative_to(REPO_ROOT)))
+def test_docs_hold_no_placeholders(page):
+    assert placeholder_problems(page.read_text()) == []
+
+
+def test_placeholder_is_caught():
+    text = "`tests/x.py`, 24 tests, TIMING (most of it)\n\n_This section is being written._\n\nA true line.\n"
+    assert placeholder_problems(text) == ["`tests/x.py`, 24 tests, TIMING (most of it)", "_This section is being written._"]
