@@ -1,4 +1,4 @@
-"""Cross-tokenizer distillation (issues #18, #31): a student with its own tokenizer learns from a teacher's cache
+"""Cross-tokenizer distillation: a student with its own tokenizer learns from a teacher's cache
 (``megatron_kd_plugin.loss.cross_tokenizer``): the token-level term (at every student position, the teacher's
 candidates read as the student's next token through their first student tokens) and, with ``kd.token_weight`` < 1,
 the approximate-likelihood-matching segment term. Measured (docs/cross-tokenizer.md), students trained from random weights: the

@@ -28,12 +28,13 @@ def qwen3_8b_to_1p7b_kd_128k_8gpu_h200_bf16_config(hf_path: str = QWEN3_1P7B) ->
 
 def qwen3_8b_to_0p6b_kd_768k_1gpu_h200_bf16_config(hf_path: str = QWEN3_0P6B) -> KDConfigContainer:
     """Qwen3-8B -> Qwen3-0.6B at 768K (786,432) tokens on one H200: full recompute of every layer, 4 x 768K tokens a
-    step. It promised 1M until the planner counted what megatron-core's layers keep (issue 32): 1M plans at 130.7
-    GiB, over the 126 GiB (90 %) line; 768K is the longest multiple of 128K that leaves >= 10 % of the GPU spare (the
-    recipe was ``qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config``). Planner: 100.5 GiB with the fused loss (weights 1.1,
-    gradients 2.2, optimizer 6.7, activations 45.0, KD batch 0.4, the larger of loss head 5.6 and backward 45.1, the
-    recomputed layer's), margin 25.5 GiB to the 90 % line; forward-chunked would need 951 GiB. Attention work grows as
-    s^2: a step is long; ``model.seq_length=N dataset.seq_length=N`` shortens it."""
+    step. It promised 1M until the planner counted what megatron-core's layers keep: 1M plans at 130.7 GiB, over
+    the 126 GiB (90 %) line; 768K is the longest multiple of 128K whose plan stays within 80 % of the GPU (896K
+    plans at 115.6 GiB, over 112 GiB; the recipe was ``qwen3_8b_to_0p6b_kd_1m_1gpu_h200_bf16_config``). Planner:
+    100.5 GiB with the fused loss (weights 1.1, gradients 2.2, optimizer 6.7, activations 45.0, KD batch 0.4, the
+    larger of loss head 5.6 and backward 45.1, the recomputed layer's), margin 25.5 GiB to the 90 % line;
+    forward-chunked would need 951 GiB. Attention work grows as s^2: a step is long; ``model.seq_length=N
+    dataset.seq_length=N`` shortens it."""
     cfg = kd_hf_student_config(hf_path, cache_path="outputs/caches/qwen3_8b_top64_768k.zarr",
                                run_name="qwen3_8b_to_0p6b_kd_768k", seq_length=786432)
     model = cfg.model

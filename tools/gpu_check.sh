@@ -95,7 +95,7 @@ only=correctness,loss,step,student,head,tests
 while [ $# -gt 0 ]; do
   case $1 in
     --preflight) preflight_only=true;;
-    --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|tests)=[0-9]+$ ]] ||
+    --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|head|tests)=[0-9]+$ ]] ||
                 { echo "error: --budget takes STAGE=SECONDS (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
               budget_s[${2%%=*}]=${2#*=}; shift;;
     --only) [[ ${2:-} =~ ^((correctness|loss|step|student|head|tests),?)+$ ]] ||

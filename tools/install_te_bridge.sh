@@ -5,7 +5,7 @@
 #   2. transformer-engine-torch built from source against the venv's torch: the C++ extension only,
 #      NVTE_PYTORCH_FORCE_BUILD=TRUE skips the download of a prebuilt wheel (unreachable here);
 #      CPLUS_INCLUDE_PATH adds the pip nvidia/{cudnn,nccl,cu13} headers (the toolkit supplies crt/);
-#      the long step: ~20-25 min on a 2-core machine (1,360 s measured on a fresh one), once per machine
+#      the long step: ~10 min on a 2-core machine (528 s measured on a fresh one, 2026-12-07), once per machine
 #      (pip caches the built wheel); a line every minute says it is still building and for how long;
 #   3. transformer-engine (the meta package TE looks for at import time), without extras;
 #   4. megatron-bridge --no-deps: its full dependency list pulls fast-hadamard-transform (needs a CUDA
@@ -80,12 +80,12 @@ echo "== 1/4 transformer-engine-cu13 $TE_VERSION (binary core) and build tools"
 pip_install "transformer-engine-cu13==$TE_VERSION" ninja wheel
 
 echo "== 2/4 transformer-engine-torch $TE_VERSION from source (C++ extension, CUDA_HOME=$CUDA_HOME)"
-echo "   the long step of the set-up: compiling Transformer Engine's C++ extension takes ~20-25 min on 2 cores"
+echo "   the long step of the set-up: compiling Transformer Engine's C++ extension takes ~10 min on 2 cores"
 echo "   (less with more cores: MAX_JOBS=${MAX_JOBS:-2} compilers in parallel), once per machine"
 build_start=$(date +%s)
 (   # pip prints only "still running..." while it compiles: say what and for how long, once a minute
     while sleep 60; do
-        echo "[setup] still compiling Transformer Engine's torch extension: $(( ($(date +%s) - build_start) / 60 )) min so far (~20-25 min on 2 cores)"
+        echo "[setup] still compiling Transformer Engine's torch extension: $(( ($(date +%s) - build_start) / 60 )) min so far (~10 min on 2 cores)"
     done
 ) &
 ticker=$!

@@ -54,7 +54,7 @@ MSG
   fi
   local start=$SECONDS
   echo "[setup] installing megatron_kd_plugin and its dependencies; the first time on a 2-core machine this takes"
-  echo "[setup] ~25 min, most of it compiling Transformer Engine's C++ extension (step 2/4 below, ~20-25 min)"
+  echo "[setup] ~10-15 min, most of it compiling Transformer Engine's C++ extension (step 2/4 below, ~10 min)"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -c "$repo/tools/constraints.txt" -e "$repo[test,demo,s3]"
   bash "$repo/tools/install_te_bridge.sh" "$venv/bin/python"

@@ -136,8 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="samples per shard file, the unit a writer owns and a kill redoes (default: 2^20 tokens a "
                         "shard, i.e. 2^20 / --seq-length samples; docs/caching.md 'At scale')")
     p.add_argument("--logprob-codec", default=None, choices=sorted(fmt.LOGPROB_CODECS),
-                   help="grid8 (the default of a top-K): a float16 row maximum and 8-bit codes below it, ~70 B/token "
-                        "at K=100, round-trip KL ~5e-4 nats; fp16-bitround7 (the default with --draws: a grid cannot "
+                   help="grid8 (the default of a top-K): a float16 row maximum and 8-bit codes below it (its log-prob "
+                        "array ~70 B/token at K=100, the whole store with ids ~112-130), round-trip KL ~5e-4 nats; fp16-bitround7 (the default with --draws: a grid cannot "
                         "store repeated draws), fp16-bitround8, fp16, fp32: more bytes, less error (docs/store-kinds-and-loss.md)")
     p.add_argument("--store-logsumexp", action="store_true", help="also store the teacher's full-vocab LSE")
     p.add_argument("--cross-tokenizer", action="store_true",

@@ -49,7 +49,7 @@ class KDLossOptions:
 
     token_weight: float = 0.0
     """Cross-tokenizer students only (``cross_tokenizer_loss``): gamma in [0, 1], the token-level term's share of the
-    teacher's part: the top-K loss at the pair tokens with weight gamma, the ALM segment term with 1 - gamma, each
+    teacher's part: the top-K loss at every student position with weight gamma, the ALM segment term with 1 - gamma, each
     token's CE with what alpha leaves of it; 0: the ALM segment term alone, 1: the token-level term alone."""
 
     impl: str = "fused"
