@@ -230,3 +230,15 @@ def test_rehearsal_on_a_bare_machine(lent_machine, tmp_path):
     assert "result: fused teacher head ids equal torch.topk's" in summary
     carried = re.search(r"the checkout with its wheels is (\d+) MiB", summary)
     assert carried and int(carried.group(1)) < 64, summary[:2000]
+
+
+def test_every_stage_takes_a_budget():
+    """``--budget STAGE=N`` is accepted for every stage (``head`` was refused); the parse is checked by an ``--only``
+    that fails after it, so nothing runs."""
+    for stage in ("correctness", "loss", "step", "student", "head", "tests"):
+        done = subprocess.run(["bash", str(SCRIPT), "--budget", f"{stage}=5", "--only", "nosuch"],
+                              capture_output=True, text=True, timeout=scaled(30))
+        assert done.returncode == 2 and "error: --only takes" in done.stdout, (stage, done.stdout)
+    done = subprocess.run(["bash", str(SCRIPT), "--budget", "nosuch=5"], capture_output=True, text=True,
+                          timeout=scaled(30))
+    assert done.returncode == 2 and "error: --budget takes" in done.stdout

@@ -92,13 +92,14 @@ if [ "${1:-}" = "--download" ]; then
 fi
 preflight_only=false
 only=correctness,loss,step,student,head,tests
+stages=${only//,/|}   # the stages as an alternation, for the checks of --budget and --only
 while [ $# -gt 0 ]; do
   case $1 in
     --preflight) preflight_only=true;;
-    --budget) [[ ${2:-} =~ ^(correctness|loss|step|student|head|tests)=[0-9]+$ ]] ||
+    --budget) [[ ${2:-} =~ ^($stages)=[0-9]+$ ]] ||
                 { echo "error: --budget takes STAGE=SECONDS (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
               budget_s[${2%%=*}]=${2#*=}; shift;;
-    --only) [[ ${2:-} =~ ^((correctness|loss|step|student|head|tests),?)+$ ]] ||
+    --only) [[ ${2:-} =~ ^(($stages),?)+$ ]] ||
               { echo "error: --only takes STAGE[,STAGE...] (stages: ${!budget_s[*]}), not '${2:-}'"; exit 2; }
             only=$2; shift;;
     *) echo "error: unknown argument '$1' (--download, --preflight, --budget STAGE=SECONDS, --only STAGES)"; exit 2;;
