@@ -5,7 +5,7 @@ megatron-core untouched, so a GPU run never silently takes a CPU path. What runs
 GPTModel with its local (non-Transformer-Engine) layers, tensor parallelism over gloo, forward and backward;
 MoE layers with expert parallelism (allgather dispatcher, router GEMM in torch); pipeline p2p over gloo; the
 teachers of the README's families through Megatron-Bridge: sliding-window attention (gpt-oss; the mask megatron
-builds itself), multi-latent attention (DeepSeek-V3, Kimi-K2; the local attention takes its head widths), experts
+builds itself, and within a given mask: packed rows' documents), multi-latent attention (DeepSeek-V3, Kimi-K2; the local attention takes its head widths), experts
 that Bridge maps only onto Transformer Engine's grouped experts (GLM-4.5; ``bridge_local_expert_mappings``).
 What does not: Transformer Engine layers, sequence parallelism through TE/apex norms, megatron-core's and
 Megatron-Bridge's training schedules (they allocate on "cuda"; see ``megatron_kd_plugin.bridge.cpu_train`` and
@@ -49,6 +49,10 @@ def apply_cpu_workarounds() -> None:
     for module in (transformer_utils, fused_softmax):
         for name in ("get_sliding_window_causal_mask", "get_default_causal_mask"):
             setattr(module, name, _cuda_literal_on_cpu(getattr(module, name)))
+    # a sliding-window layer's local softmax replaces the mask it is given by its window's: packed rows' documents
+    # (documents.document_attention_mask) would see one another within the window
+    softmax = fused_softmax.FusedScaleMaskSoftmax
+    softmax.forward_torch_softmax = _window_within_mask(softmax.forward_torch_softmax)
     # multi-latent attention (DeepSeek-V3, Kimi-K2) hands its core attention TE's k_channels / v_channels, which the
     # local DotProductAttention of the non-TE layer specs does not take
     from megatron.core.models import backends
@@ -74,6 +78,26 @@ def _attention_with_head_widths(local_attention: type) -> type:
                 self.softmax_scale = 1.0 / (k_channels ** 0.5) / coeff
 
     return DotProductAttention
+
+
+def _window_within_mask(forward_torch_softmax):
+    """megatron-core's local masked softmax, where a layer with a sliding window masks what its window masks *and*
+    what the given mask masks (a packed row's other documents), instead of the window's mask alone."""
+
+    @functools.wraps(forward_torch_softmax)
+    def softmax(self, input, mask, softmax_offset=None):
+        if self.window_size is None or mask is None:
+            return forward_torch_softmax(self, input, mask, softmax_offset)
+        from megatron.core.fusions import fused_softmax
+
+        window = fused_softmax.get_sliding_window_causal_mask(input.size(2), input.size(3), self.window_size)
+        self.window_size, window_size = None, self.window_size
+        try:
+            return forward_torch_softmax(self, input, mask | window.to(mask.device), softmax_offset)
+        finally:
+            self.window_size = window_size
+
+    return softmax
 
 
 def _cuda_literal_on_cpu(function):

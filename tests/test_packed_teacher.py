@@ -3,7 +3,7 @@
 One spawn of two gloo ranks runs the tool's command body (``commands.cache.run``) on a row source of documents packed
 by hand (:class:`HandPackedRows`, a test-local row source as the writer's contract describes; the tool's data
 options are bypassed by handing ``run`` this source): a tiny random-init HF Qwen3 teacher at TP=1 (DP=2), TP=2 and
-PP=2, a tiny Qwen3-MoE at EP=2, and the same windows as one stream. The parent compares the log-probs of every
+PP=2, a tiny Qwen3-MoE at EP=2, a tiny gpt-oss (a sliding window of 4 on its first layer) at TP=1, and the same windows as one stream. The parent compares the log-probs of every
 document of every row with transformers' float64 forward of that document alone (at its tokens of loss mask 1; its
 last token holds padding slots), checks that the store's loss mask
 and positions round-trip, and that the stream store (the teacher attending across documents: issue #49's bug)
@@ -32,6 +32,7 @@ LAYOUTS = {          # store name: (teacher, layout of the rows, extra flags); w
     "dense_tp2": ("dense", "packed", ["--tp", "2"]),
     "dense_pp2": ("dense", "packed", ["--pp", "2"]),
     "moe_ep2": ("moe", "packed", ["--ep", "2"]),
+    "gpt_oss_tp1": ("gpt_oss", "packed", []),       # sliding window 4 on layer 0: the window within each document
     "dense_stream": ("dense", "stream", []),
 }
 
@@ -47,7 +48,7 @@ class HandPackedRows:
     def __init__(self, layout: str):
         rng = np.random.default_rng(0)
         self.layout = layout
-        self.documents = [[np.append(rng.integers(2, 1000, length - 1), EOD) for length in row] for row in ROWS]
+        self.documents = [[np.append(rng.integers(2, 512, length - 1), EOD) for length in row] for row in ROWS]
         self.tokens = np.stack([np.append(np.concatenate(row), EOD) for row in self.documents])      # [N, S+1]
         self.packing = {"documents": sum(map(len, ROWS)), "efficiency": 1.0} if layout != "stream" else {}
         self.position_ids = np.stack([np.concatenate([np.arange(len(d)) for d in row]) for row in self.documents])
@@ -93,12 +94,12 @@ def _write_stores(teachers: dict, work: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tmp_path_factory):
+def stores(tiny_hf_qwen3, tiny_hf_qwen3_moe, tiny_hf_gpt_oss, tmp_path_factory):
     """({store name: reader}, {teacher: float64 log-probs of every document alone, [row][document] -> [len, V]})."""
     from megatron_kd_plugin.cache import TopKCacheReader
 
     work = tmp_path_factory.mktemp("packed_teacher")
-    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe))
+    teachers = dict(dense=str(tiny_hf_qwen3), moe=str(tiny_hf_qwen3_moe), gpt_oss=str(tiny_hf_gpt_oss))
     (work / "unused.jsonl").write_text('{"text": "the --data the command checks; its rows are HandPackedRows"}\n')
     run_on_ranks(2, _write_stores, teachers, str(work), tp=1, timeout=600)
     rows = HandPackedRows("packed")
@@ -113,7 +114,7 @@ def _document_logprobs(sample, documents) -> list[tuple[torch.Tensor, torch.Tens
     return [(sample.teacher.logprobs[a:b].double(), sample.teacher.ids[a:b]) for a, b in zip(spans[:-1], spans[1:])]
 
 
-@pytest.mark.parametrize("name", ["dense_tp1", "dense_tp2", "dense_pp2", "moe_ep2"])
+@pytest.mark.parametrize("name", ["dense_tp1", "dense_tp2", "dense_pp2", "moe_ep2", "gpt_oss_tp1"])
 def test_every_document_of_a_packed_row_equals_transformers_forward_of_it_alone(stores, name):
     readers, alone, rows = stores
     reference = alone[LAYOUTS[name][0]]
