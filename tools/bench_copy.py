@@ -5,8 +5,9 @@ server started here (SeaweedFS's ``weed``, ``tests/s3_server.py``), with the com
 The files are a store's layout filled with random bytes (``--files`` shard files ``teacher_ids/c.N.0.0`` of
 ``--file-mib`` each, a default shard's ids file is ~400 MB, plus their zarr.json files): making a real store of
 such shards takes a teacher's forward over millions of tokens, and the copy moves bytes, whatever they hold. Each
-copy runs in a fresh process; it reports its peak RSS (``ru_maxrss``), its RSS once the modules are imported (the
-package imports torch: ~0.5 GB before a byte moves) and the rise between them, what the copy itself held.
+copy runs in a fresh process that first imports what the ``copy`` command imports; it reports its peak RSS
+(``ru_maxrss``: the whole process's), its RSS once those modules are imported, the rise between them (what the copy
+itself held) and whether torch was among the imports.
 
     python tools/bench_copy.py [--files 8] [--file-mib 400] [--workers 16] [--folder /tmp]
 
@@ -52,6 +53,7 @@ def copy_in_this_process(way: str, source: str, destination: str, workers: int) 
     import concurrent.futures
     import resource
 
+    import megatron_kd_plugin.commands.copy  # noqa: F401 (what the command imports)
     from megatron_kd_plugin.cache.store.storage import location
     from megatron_kd_plugin.cache.store.store_copy import copy_files
 
@@ -67,7 +69,7 @@ def copy_in_this_process(way: str, source: str, destination: str, workers: int) 
     seconds = time.perf_counter() - begin
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"seconds": seconds, "bytes": sum(sizes.values()), "peak_mib": peak_kib / 1024,
-            "start_mib": start_kib / 1024}
+            "start_mib": start_kib / 1024, "torch": "torch" in sys.modules}
 
 
 def copy_in_a_process(way: str, source: str, destination: str, workers: int) -> dict:
@@ -94,7 +96,8 @@ def main() -> None:
         server.create_bucket("bench")
         make_files(root / "source", args.files, args.file_mib)
         print(f"{args.files} files of {args.file_mib} MiB, --workers {args.workers}\n")
-        print("| way | direction | MB/s | peak RSS MiB | RSS after imports MiB | rise MiB |\n|---|---|---|---|---|---|")
+        print("| way | direction | MB/s | peak RSS MiB | RSS after imports MiB | rise MiB | torch imported |\n"
+              "|---|---|---|---|---|---|---|")
         for number, way in enumerate(WAYS):
             url, back = f"s3://bench/copy{number}", str(root / f"back{number}")
             for direction, source, destination in (("local -> S3", str(root / "source"), url),
@@ -102,7 +105,8 @@ def main() -> None:
                 found = copy_in_a_process(way, source, destination, args.workers)
                 print(f"| {way} | {direction} | {found['bytes'] / found['seconds'] / 1e6:.0f} | "
                       f"{found['peak_mib']:.0f} | {found['start_mib']:.0f} | "
-                      f"{found['peak_mib'] - found['start_mib']:.0f} |", flush=True)
+                      f"{found['peak_mib'] - found['start_mib']:.0f} | {'yes' if found['torch'] else 'no'} |",
+                      flush=True)
             shutil.rmtree(back)
     finally:
         server.stop()
