@@ -5,9 +5,10 @@ server started here (SeaweedFS's ``weed``, ``tests/s3_server.py``), with the com
 The files are a store's layout filled with random bytes (``--files`` shard files ``teacher_ids/c.N.0.0`` of
 ``--file-mib`` each, a default shard's ids file is ~400 MB, plus their zarr.json files): making a real store of
 such shards takes a teacher's forward over millions of tokens, and the copy moves bytes, whatever they hold. Each
-copy runs in a fresh process that first imports what the ``copy`` command imports; it reports its peak RSS
-(``ru_maxrss``: the whole process's), its RSS once those modules are imported, the rise between them (what the copy
-itself held) and whether torch was among the imports.
+copy runs in a fresh process that first imports what the ``copy`` command imports; it reports its peak RSS (the
+whole process's high-water mark, ``VmHWM``: ``ru_maxrss`` would carry this script's own peak over into the child, it
+survives exec), its peak once those modules are imported, the rise between them (what the copy itself held) and
+whether torch was among the imports.
 
     python tools/bench_copy.py [--files 8] [--file-mib 400] [--workers 16] [--folder /tmp]
 
@@ -48,16 +49,23 @@ def make_files(folder: pathlib.Path, files: int, file_mib: int) -> None:
                 file.write(rng.bytes(min(64, file_mib - begin) << 20))
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux's ``VmHWM``, in MiB)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def copy_in_this_process(way: str, source: str, destination: str, workers: int) -> dict:
     """Copies every file of ``source`` to ``destination`` the ``way`` named; {seconds, bytes, peak and start RSS}."""
     import concurrent.futures
-    import resource
 
     import megatron_kd_plugin.commands.copy  # noqa: F401 (what the command imports)
     from megatron_kd_plugin.cache.store.storage import location
     from megatron_kd_plugin.cache.store.store_copy import copy_files
 
-    start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start_mib = peak_rss_mib()
     origin, target = location(source), location(destination)
     sizes = origin.sizes()
     begin = time.perf_counter()
@@ -67,9 +75,8 @@ def copy_in_this_process(way: str, source: str, destination: str, workers: int) 
     else:
         copy_files(origin, target, sizes, workers=workers)
     seconds = time.perf_counter() - begin
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": seconds, "bytes": sum(sizes.values()), "peak_mib": peak_kib / 1024,
-            "start_mib": start_kib / 1024, "torch": "torch" in sys.modules}
+    return {"seconds": seconds, "bytes": sum(sizes.values()), "peak_mib": peak_rss_mib(), "start_mib": start_mib,
+            "torch": "torch" in sys.modules}
 
 
 def copy_in_a_process(way: str, source: str, destination: str, workers: int) -> dict:
