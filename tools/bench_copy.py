@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tests.s3_server import LocalS3  # noqa: E402
 
-WAYS = ("whole files (before)", "streamed (now)")
+WAYS = ("whole files", "streamed")
 
 
 def make_files(folder: pathlib.Path, files: int, file_mib: int) -> None:
