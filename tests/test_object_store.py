@@ -324,29 +324,6 @@ def test_a_copy_killed_midway_reruns_copying_only_the_files_it_had_not_finished(
     assert objects(copy) == files
 
 
-def _copy_stalled_in(source: str, destination: str, key: str, after: int) -> None:
-    """Copies ``source`` to ``destination`` while the source file ``key`` stops giving bytes after ``after`` of them
-    (a disk that stalls: its upload begun, never finished), the other files copied as usual; a subprocess's body,
-    killed by the test."""
-    import threading
-
-    from megatron_kd_plugin.cache.store import storage
-    from megatron_kd_plugin.cache.store.store_copy import copy_store
-
-    read = storage.LocalFolder.read_pieces
-
-    def stalling(self, name: str, piece_bytes: int = storage.PIECE_BYTES):
-        given = 0
-        for piece in read(self, name, piece_bytes):
-            if name == key and given >= after:
-                threading.Event().wait()
-            given += len(piece)
-            yield piece
-
-    storage.LocalFolder.read_pieces = stalling
-    copy_store(source, destination)
-
-
 def test_a_copy_killed_mid_multipart_upload_reruns_the_unfinished_file_and_leaves_the_upload_on_the_server(
         big_store, s3_server):
     import time
@@ -355,10 +332,8 @@ def test_a_copy_killed_mid_multipart_upload_reruns_the_unfinished_file_and_leave
 
     copy, files = fresh_url("killed-upload.zarr"), local_files(big_store)
     bucket, prefix = copy.removeprefix("s3://").split("/", 1)
-    code = ("import sys; sys.path.insert(0, sys.argv[5]); from tests.test_object_store import _copy_stalled_in; "
-            "_copy_stalled_in(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))")
-    child = subprocess.Popen([sys.executable, "-c", code, str(big_store), copy, BIG, str(PART + (1 << 20)),
-                              str(REPO)], stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "tests.stalled_copy", str(big_store), copy, BIG,
+                              str(PART + (1 << 20))], stderr=subprocess.PIPE, text=True, cwd=REPO)
     others = set(files) - {BIG, "zarr.json"}
     try:
         deadline = time.monotonic() + scaled(120)
@@ -383,6 +358,19 @@ def test_a_copy_killed_mid_multipart_upload_reruns_the_unfinished_file_and_leave
     assert s3_server.multipart_uploads(bucket, prefix) == {f"{prefix}/{BIG}": 1}
     s3_server.abort_multipart_uploads(bucket, prefix)
     assert s3_server.multipart_uploads(bucket, prefix) == {}
+
+
+def test_an_upload_whose_source_fails_midway_is_aborted_leaving_neither_object_nor_upload(s3_server):
+    url = fresh_url("failed-source")
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+
+    def failing():
+        yield from (bytes(1 << 20) for _ in range(PART // (1 << 20) + 1))   # a part sent, the next one begun
+        raise OSError("the source disk failed")
+
+    with pytest.raises(OSError, match="the source disk failed"):
+        location(url).write_pieces("big", failing(), part_bytes=PART)
+    assert location(url).keys() == [] and s3_server.multipart_uploads(bucket, prefix) == {}
 
 
 def test_copy_onto_an_occupied_s3_prefix_is_refused_in_one_line_and_nothing_there_touched(stores, capsys):
