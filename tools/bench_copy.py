@@ -5,8 +5,10 @@ server started here (SeaweedFS's ``weed``, ``tests/s3_server.py``), with the com
 The files are a store's layout filled with random bytes (``--files`` shard files ``teacher_ids/c.N.0.0`` of
 ``--file-mib`` each, a default shard's ids file is ~400 MB, plus their zarr.json files): making a real store of
 such shards takes a teacher's forward over millions of tokens, and the copy moves bytes, whatever they hold. Each
-copy runs in a fresh process; it reports its peak RSS (``ru_maxrss``), its RSS once the modules are imported (the
-package imports torch: ~0.5 GB before a byte moves) and the rise between them, what the copy itself held.
+copy runs in a fresh process that first imports what the ``copy`` command imports; it reports its peak RSS (the
+whole process's high-water mark, ``VmHWM``: ``ru_maxrss`` would carry this script's own peak over into the child, it
+survives exec), its peak once those modules are imported, the rise between them (what the copy itself held) and
+whether torch was among the imports.
 
     python tools/bench_copy.py [--files 8] [--file-mib 400] [--workers 16] [--folder /tmp]
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tests.s3_server import LocalS3  # noqa: E402
 
-WAYS = ("whole files (before)", "streamed (now)")
+WAYS = ("whole files", "streamed")
 
 
 def make_files(folder: pathlib.Path, files: int, file_mib: int) -> None:
@@ -47,15 +49,23 @@ def make_files(folder: pathlib.Path, files: int, file_mib: int) -> None:
                 file.write(rng.bytes(min(64, file_mib - begin) << 20))
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux's ``VmHWM``, in MiB)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def copy_in_this_process(way: str, source: str, destination: str, workers: int) -> dict:
     """Copies every file of ``source`` to ``destination`` the ``way`` named; {seconds, bytes, peak and start RSS}."""
     import concurrent.futures
-    import resource
 
+    import megatron_kd_plugin.commands.copy  # noqa: F401 (what the command imports)
     from megatron_kd_plugin.cache.store.storage import location
     from megatron_kd_plugin.cache.store.store_copy import copy_files
 
-    start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start_mib = peak_rss_mib()
     origin, target = location(source), location(destination)
     sizes = origin.sizes()
     begin = time.perf_counter()
@@ -65,9 +75,8 @@ def copy_in_this_process(way: str, source: str, destination: str, workers: int) 
     else:
         copy_files(origin, target, sizes, workers=workers)
     seconds = time.perf_counter() - begin
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": seconds, "bytes": sum(sizes.values()), "peak_mib": peak_kib / 1024,
-            "start_mib": start_kib / 1024}
+    return {"seconds": seconds, "bytes": sum(sizes.values()), "peak_mib": peak_rss_mib(), "start_mib": start_mib,
+            "torch": "torch" in sys.modules}
 
 
 def copy_in_a_process(way: str, source: str, destination: str, workers: int) -> dict:
@@ -94,7 +103,8 @@ def main() -> None:
         server.create_bucket("bench")
         make_files(root / "source", args.files, args.file_mib)
         print(f"{args.files} files of {args.file_mib} MiB, --workers {args.workers}\n")
-        print("| way | direction | MB/s | peak RSS MiB | RSS after imports MiB | rise MiB |\n|---|---|---|---|---|---|")
+        print("| way | direction | MB/s | peak RSS MiB | RSS after imports MiB | rise MiB | torch imported |\n"
+              "|---|---|---|---|---|---|---|")
         for number, way in enumerate(WAYS):
             url, back = f"s3://bench/copy{number}", str(root / f"back{number}")
             for direction, source, destination in (("local -> S3", str(root / "source"), url),
@@ -102,7 +112,8 @@ def main() -> None:
                 found = copy_in_a_process(way, source, destination, args.workers)
                 print(f"| {way} | {direction} | {found['bytes'] / found['seconds'] / 1e6:.0f} | "
                       f"{found['peak_mib']:.0f} | {found['start_mib']:.0f} | "
-                      f"{found['peak_mib'] - found['start_mib']:.0f} |", flush=True)
+                      f"{found['peak_mib'] - found['start_mib']:.0f} | {'yes' if found['torch'] else 'no'} |",
+                      flush=True)
             shutil.rmtree(back)
     finally:
         server.stop()

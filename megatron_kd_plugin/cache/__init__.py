@@ -25,17 +25,29 @@ CP, ``teacher_head.py`` the fused head that turns its hidden states into a kind'
 logits), ``teacher_context_parallel.py`` the teacher's CP slicing and the rows' reassembly. The
 commands that drive them (``cache``, ``inspect``, ``copy``) are in ``megatron_kd_plugin.commands``.
 
-The names below are the interface the layers above (``bridge``, the commands) read stores through.
+The names below are the interface the layers above (``bridge``, the commands) read stores through. They are imported
+when first named, so that importing a part of the store (``store/``: reading, copying and verifying a store) never
+imports torch, which the reader and the rows need.
 """
 
-from megatron_kd_plugin.cache.rows.blended_rows import BlendedRows, check_blend
-from megatron_kd_plugin.cache.rows.ensemble_rows import EnsembleRows
-from megatron_kd_plugin.cache.store.format import CacheSpec
-from megatron_kd_plugin.cache.store.reader import CachedSample, TopKCacheReader
-from megatron_kd_plugin.cache.rows.row_kinds import row_kind
-from megatron_kd_plugin.cache.rows.kd_rows import KDRow, KDRows, RowKind
-from megatron_kd_plugin.cache.rows.rank_rows import RankRows
-from megatron_kd_plugin.cache.cross_tokenizer.token_bytes import TokenBytes
+import importlib
 
-__all__ = ["BlendedRows", "CacheSpec", "CachedSample", "EnsembleRows", "KDRow", "KDRows", "RankRows", "RowKind",
-           "TokenBytes", "TopKCacheReader", "check_blend", "row_kind"]
+_WHERE = {
+    "BlendedRows": "rows.blended_rows", "check_blend": "rows.blended_rows", "EnsembleRows": "rows.ensemble_rows",
+    "CacheSpec": "store.format", "CachedSample": "store.reader", "TopKCacheReader": "store.reader",
+    "row_kind": "rows.row_kinds", "KDRow": "rows.kd_rows", "KDRows": "rows.kd_rows", "RowKind": "rows.kd_rows",
+    "RankRows": "rows.rank_rows", "TokenBytes": "cross_tokenizer.token_bytes",
+}
+"""{exported name: the module of this package that defines it}."""
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -8,9 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP, PROPOSAL_LOGNORM
-from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, draw_weights, vocab_parallel_draws
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
-from megatron_kd_plugin.loss import SampledTeacher
 
 
 def sampled_statistics(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -30,7 +28,6 @@ class DrawsStore(StoreKind):
     default_codec = "fp16-bitround7"
     grid_codec = False
     exact_slots = False
-    teacher_type = SampledTeacher
     work_bytes_per_logit = 13           # the float32 tempered logits (exponentiated in place), their float64 CDF, a mask
 
     def holds(self, spec) -> bool:
@@ -46,7 +43,15 @@ class DrawsStore(StoreKind):
         """G per token only when t != 1 (else G = 0)."""
         return (PROPOSAL_LOGNORM,) if spec.proposal_temperature != 1.0 else ()
 
+    @property
+    def teacher_type(self):
+        from megatron_kd_plugin.loss import SampledTeacher
+
+        return SampledTeacher
+
     def teacher_rows(self, logits, spec, *, block, tp_group):
+        from megatron_kd_plugin.cache.kinds.draws import draw_uniforms, vocab_parallel_draws
+
         p, n = logits.shape[:2]
         uniforms = draw_uniforms(spec.sample_seed, block.first_sample, n, p, spec.k, first_position=block.first_position)
         draw = vocab_parallel_draws(logits, uniforms,
@@ -56,6 +61,8 @@ class DrawsStore(StoreKind):
         return rows | {name: draw.proposal_lognorm for name in self.token_arrays(spec)}, draw.finite
 
     def weights(self, spec, rows):
+        from megatron_kd_plugin.cache.kinds.draws import draw_weights
+
         return (draw_weights(rows[LOGPROBS].float(), rows.get(PROPOSAL_LOGNORM), spec.proposal_temperature),)
 
     def describe(self, spec) -> str:

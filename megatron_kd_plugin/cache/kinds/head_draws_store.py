@@ -6,8 +6,6 @@ head exact, the tail unbiased)."""
 from __future__ import annotations
 
 from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP
-from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
-from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights, vocab_parallel_head_draws
 from megatron_kd_plugin.cache.kinds.draws_store import DrawsStore
 
 
@@ -35,6 +33,9 @@ class HeadDrawsStore(DrawsStore):
         return ()
 
     def teacher_rows(self, logits, spec, *, block, tp_group):
+        from megatron_kd_plugin.cache.kinds.draws import draw_uniforms
+        from megatron_kd_plugin.cache.kinds.head_draws import vocab_parallel_head_draws
+
         p, n = logits.shape[:2]
         uniforms = draw_uniforms(spec.sample_seed, block.first_sample, n, p, spec.k - spec.head,
                                  first_position=block.first_position)
@@ -43,6 +44,8 @@ class HeadDrawsStore(DrawsStore):
         return {IDS: rows.ids, LOGPROBS: rows.logprobs, LOGSUMEXP: rows.logsumexp}, rows.finite
 
     def weights(self, spec, rows):
+        from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights
+
         return (head_draw_weights(rows[LOGPROBS].float(), spec.head),)
 
     def describe(self, spec) -> str:

@@ -8,19 +8,27 @@ block by block by the fused head, ``teacher_head.py``) and what work buffers tha
 row read back becomes the loss's typed teacher (``teacher``) and which loss tails fit it (``check_tail``), and its
 ``inspect`` lines (``describe``, ``statistics``). It never imports the store's schema (``format.py`` imports the
 registry), only the array names.
+
+A kind's module is the store's description and imports no torch: reading, copying and verifying a store (``format.py``,
+``records.py``, ``store_copy.py``) never load it. What computes with torch, the rows from the logits and the loss's
+typed teacher, lives in the math modules (``topk.py``, ``draws.py``, ``head_draws.py``) and ``megatron_kd_plugin.loss``,
+which the methods that compute (``teacher_rows``, ``weights``, ``teacher_type``) import when they are called.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS
-from megatron_kd_plugin.loss import KDLossOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_kd_plugin.loss import KDLossOptions
 
 
 class StoreKind(abc.ABC):
@@ -49,8 +57,6 @@ class StoreKind(abc.ABC):
     the loss does not read (loss mask 0: prompts, row padding, a document's last token) instead of the teacher's row
     there: true for kinds whose rows may hold padding anyway (a top-p row's); draws keep their rows (their weights
     are defined for real draws only)."""
-    teacher_type: type
-    """The loss's typed teacher its rows carry (``loss.TopKTeacher`` or ``loss.SampledTeacher``)."""
     work_bytes_per_logit: int
     """Peak bytes of :meth:`teacher_rows`' work buffers per logit of its block, beside the logits (the head's block
     budget and ``plan`` count them)."""
@@ -69,6 +75,11 @@ class StoreKind(abc.ABC):
     def token_arrays(self, spec) -> tuple[str, ...]:
         """The float32 [samples, S] arrays its stores hold besides the ids and log-probs (default: none)."""
         return ()
+
+    @property
+    @abc.abstractmethod
+    def teacher_type(self) -> type:
+        """The loss's typed teacher its rows carry (``loss.TopKTeacher`` or ``loss.SampledTeacher``)."""
 
     @abc.abstractmethod
     def teacher_rows(self, logits: torch.Tensor, spec, *, block, tp_group

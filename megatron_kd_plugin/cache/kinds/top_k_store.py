@@ -5,12 +5,9 @@ every loss tail but ``sampled`` serves them."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from megatron_kd_plugin.cache.store.array_names import IDS, LOGPROBS, LOGSUMEXP
 from megatron_kd_plugin.cache.kinds.store_kind import StoreKind
-from megatron_kd_plugin.cache.kinds.topk import vocab_parallel_topk
-from megatron_kd_plugin.loss import TopKTeacher
 
 
 def topk_statistics(logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +31,6 @@ class TopKStore(StoreKind):
     grid_codec = True
     exact_slots = True
     pads_unread_tokens = True
-    teacher_type = TopKTeacher
     work_bytes_per_logit = 4            # the float32 (tempered) copy; torch.topk's and the LSE's buffers are per token
 
     def holds(self, spec) -> bool:
@@ -44,20 +40,23 @@ class TopKStore(StoreKind):
         if spec.k > spec.vocab_size:
             raise ValueError(f"k={spec.k} exceeds vocab_size={spec.vocab_size}")
 
-    def kept(self, spec, logprobs: torch.Tensor) -> torch.Tensor | None:
-        """bool ``[..., K]``: which ranked slots (log-prob descending) a row keeps, the rest padding; None: all."""
+    @property
+    def teacher_type(self):
+        from megatron_kd_plugin.loss import TopKTeacher
+
+        return TopKTeacher
+
+    def kept(self, spec, logprobs):
+        """bool ``[..., K]``: which ranked slots (log-prob descending, a tensor ``[..., K]``) a row keeps, the rest
+        padding; None: all."""
         return None
 
     def teacher_rows(self, logits, spec, *, block, tp_group):
+        from megatron_kd_plugin.cache.kinds.topk import id_ordered, vocab_parallel_topk
+
         top = vocab_parallel_topk(logits, spec.k, temperature=spec.temperature, tp_group=tp_group)
-        ids, logprobs = top.ids, top.logprobs                                    # [s, b, K] rank order
-        keep = self.kept(spec, logprobs)
-        if keep is not None:                          # padding: id 0 with log-prob -inf, first in the row
-            ids = torch.where(keep, ids, -1)
-            logprobs = torch.where(keep, logprobs, -torch.inf)
-        ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
-        rows = {IDS: ids.clamp(min=0), LOGPROBS: logprobs.gather(-1, order), LOGSUMEXP: top.logsumexp}
-        return rows, top.finite
+        ids, logprobs = id_ordered(top.ids, top.logprobs, self.kept(spec, top.logprobs))
+        return {IDS: ids, LOGPROBS: logprobs, LOGSUMEXP: top.logsumexp}, top.finite
 
     def describe(self, spec) -> str:
         return f"top-K, K={spec.k}"

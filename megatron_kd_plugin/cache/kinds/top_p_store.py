@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_kd_plugin.cache.kinds.top_k_store import TopKStore, topk_statistics
-from megatron_kd_plugin.cache.kinds.topk import top_p_mask
 
 
 class TopPStore(TopKStore):
@@ -31,6 +30,8 @@ class TopPStore(TopKStore):
             raise ValueError(f"min_k={spec.min_k}: expected 1 <= min_k <= k={spec.k}")
 
     def kept(self, spec, logprobs):
+        from megatron_kd_plugin.cache.kinds.topk import top_p_mask
+
         return top_p_mask(logprobs, spec.top_p, spec.min_k)
 
     def describe(self, spec) -> str:

@@ -130,6 +130,18 @@ def top_p_mask(logprobs: torch.Tensor, top_p: float, min_k: int) -> torch.Tensor
     return (before < top_p) | (rank < min_k)
 
 
+def id_ordered(ids: torch.Tensor, logprobs: torch.Tensor, keep: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) ``[..., K]`` of ranked rows (``[..., K]``, log-prob desc) as a store holds them: sorted
+    ascending by id, the slots ``keep`` (bool ``[..., K]``; None: all) drops made padding, id 0 with log-prob -inf,
+    first in the row."""
+    if keep is not None:
+        ids = torch.where(keep, ids, -1)
+        logprobs = torch.where(keep, logprobs, -torch.inf)
+    ids, order = ids.sort(dim=-1, stable=True)    # stable: the padding before a kept id 0, every run alike
+    return ids.clamp(min=0), logprobs.gather(-1, order)
+
+
 def vocab_parallel_label_logprobs(logits: torch.Tensor, labels: torch.Tensor, logsumexp: torch.Tensor, *,
                                   temperature: float = 1.0, tp_group=None) -> torch.Tensor:
     """float32 ``[s, b]``: z_y − LSE(z) of each token's label y (global ids ``[s, b]``), z = logits / τ_c.

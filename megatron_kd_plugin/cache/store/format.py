@@ -777,6 +777,18 @@ class ShardFiles:
                 self.files.delete(self._key(name, shard))
 
 
+def open_finished_store(path) -> tuple[zarr.Group, CacheSpec]:
+    """:func:`open_store` of a finished store (attribute ``complete``); ValueError naming the samples not written of
+    an unfinished one."""
+    path = store_location(path)
+    group, spec = open_store(path)
+    if group.attrs.get("complete") is not True:
+        missing = ShardFiles(path, group, spec).missing_samples()
+        raise ValueError(f"{path} is unfinished: samples {describe_ranges(missing)} of {spec.num_samples} are not "
+                         "written; rerun the cache tool with the same command to complete it")
+    return group, spec
+
+
 _PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")
 """The suffix of zarr LocalStore's temporary files (``NAME.<uuid>.partial``, renamed to NAME once written)."""
 _CHUNK = re.compile(r"[0-9]+$")

@@ -50,12 +50,7 @@ class TopKCacheReader:
 
     def __init__(self, path):
         self.path = fmt.store_location(path)
-        group, self.spec = fmt.open_store(self.path)
-        if group.attrs.get("complete") is not True:
-            missing = fmt.ShardFiles(self.path, group, self.spec).missing_samples()
-            raise ValueError(f"{self.path} is unfinished: samples {fmt.describe_ranges(missing)} of "
-                             f"{self.spec.num_samples} are not written; rerun the cache tool with the same command "
-                             "to complete it")
+        group, self.spec = fmt.open_finished_store(self.path)
         self.group = group
         self._samples = SampleReader(self.path, group, self.spec)     # every per-sample array of the store
         self._ahead = ReadAhead(self._samples) if isinstance(self.path, storage.ObjectPrefix) else None

@@ -18,6 +18,7 @@ that does not answer.
 
 from __future__ import annotations
 
+import collections
 import configparser
 import contextlib
 import os
@@ -245,15 +246,13 @@ class ObjectPrefix:
         """Writes ``key`` from ``pieces`` as they come, atomically: one PUT when they add up to at most
         ``part_bytes``, else a multipart upload of ``part_bytes`` parts (:data:`UPLOAD_CONCURRENCY`) completed only
         once ``pieces`` ends (aborted if it raises: nothing appears). ValueError for parts below S3's 5 MiB."""
-        import itertools
-
         import obstore
 
         if part_bytes < MIN_PART_BYTES:
             raise ValueError(f"{self.url}: part_bytes={part_bytes} is below S3's smallest multipart part "
                              f"({MIN_PART_BYTES} bytes)")
         pieces = iter(pieces)
-        first, held = [], 0
+        first, held = collections.deque(), 0
         for piece in pieces:
             first.append(piece)
             held += len(piece)
@@ -262,8 +261,9 @@ class ObjectPrefix:
         else:
             self.put(key, b"".join(first))
             return
+        del piece
         with self.errors(key):
-            obstore.put(self.store, key, itertools.chain(first, pieces), use_multipart=True, chunk_size=part_bytes,
+            obstore.put(self.store, key, _handed_on(first, pieces), use_multipart=True, chunk_size=part_bytes,
                         max_concurrency=UPLOAD_CONCURRENCY)
 
     def head(self, key: str) -> dict | None:
@@ -370,6 +370,14 @@ class ObjectPrefix:
         import zarr.storage
 
         return zarr.storage.ObjectStore(self.store, read_only=read_only)
+
+
+def _handed_on(first: "collections.deque[bytes]", rest: Iterator[bytes]) -> Iterator[bytes]:
+    """The pieces ``first`` then ``rest``, each held here only until it is handed on (``itertools.chain`` would hold
+    ``first`` to the end: a part's worth of pieces more per upload)."""
+    while first:
+        yield first.popleft()
+    yield from rest
 
 
 class ConditionFailed(ValueError):

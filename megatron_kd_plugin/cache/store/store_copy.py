@@ -26,7 +26,6 @@ import google_crc32c
 from megatron_kd_plugin.cache.store import format as fmt
 from megatron_kd_plugin.cache.store import storage
 from megatron_kd_plugin.cache.store.lock import LOCK_NAME
-from megatron_kd_plugin.cache.store.reader import TopKCacheReader
 from megatron_kd_plugin.cache.store.records import verify_shards
 
 
@@ -57,8 +56,8 @@ def copy_store(source, destination, *, workers: int = 16, verify_workers: int = 
     (>= 5 MiB); ``piece_bytes``: the size of each read; ``on_file_copied(key)``: called once each file is in place.
     ValueError (one line) for an incomplete or damaged source, a destination holding anything else, or a copy that
     does not verify."""
-    reader = TopKCacheReader(source)                       # refuses an unfinished or inconsistent store
-    origin, target = fmt.files_of(reader.path), fmt.files_of(fmt.store_location(destination))
+    fmt.open_finished_store(source)                        # refuses an unfinished or inconsistent store
+    origin, target = fmt.files_of(fmt.store_location(source)), fmt.files_of(fmt.store_location(destination))
     _check_destination(target)
     fmt.remove_partials(fmt.store_location(destination))  # a killed local copy's temporaries
     sizes = {key: size for key, size in origin.sizes().items()
