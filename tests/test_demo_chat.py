@@ -85,7 +85,7 @@ def test_assistant_only_evaluation_equals_each_conversation_alone_in_float64(tmp
     folder = tmp_path / "chat"
     save_tokenizer(folder / "tokenizer", chat_data.CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    texts = [TEXT, TEXT.upper(), "first: 1\nsecond: 2\nthird: 3\nfourth: 4\n" * 3]
+    texts = [TEXT, TEXT.upper(), "first: 1\nsecond: 2\nthird: 3\nfourth: 4\n" * 20]
     conversations, files, _, _ = chat_data.split_conversations(texts, ["a", "b", "c"], tokenizer, seed=1,
                                                                prompt_chars=(20, 60), answer_chars=(10, 50),
                                                                max_tokens=129)

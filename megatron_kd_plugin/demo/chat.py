@@ -23,6 +23,7 @@ The main demo's stages (``megatron_kd_plugin.demo.pipeline``) on conversations; 
 5. heal           KD at the main demo's rate, and CE at every rate of ``ce_lrs`` (the CE control's sweep on this
                   data), all from the same pruned weights, rows, steps, schedule and seed; the CE heal compared is
                   the sweep's best held-out perplexity (chosen on the evaluation itself: that favours CE, not KD);
+                  no plan stage (the main demo's ``plan.txt`` shows the same heal's);
 6. eval           every model by transformers on ``eval_conversations`` held-out conversations spread over the
                   held-out split, each alone as its own sequence: perplexity, KL(teacher || model) and ECE over the
                   assistant's tokens only (the cache's mask: ``conversation_documents`` on ``chat/heldout.jsonl``),
@@ -107,10 +108,12 @@ class ChatConfig:
 
 PRESETS = {
     "default": ChatConfig(),
-    # the main demo's miniature (S = 32, 512-token vocabulary): short stretches, two CE rates (the sweep's choice
-    # is exercised), 32 held-out conversations
-    "mini": ChatConfig(heal=dataclasses.replace(PIPELINE_PRESETS["mini"], layout="packed"), prompt_chars=(12, 30),
-                       answer_chars=(12, 30), ce_lrs=(5e-4, 2e-3), eval_conversations=32),
+    # the main demo's miniature (512-token vocabulary) at S = 64 (a row of 33 tokens holds the markup, the
+    # instruction and little else), 100 teacher steps, the cache at TP 1 (its test's time): short stretches, two CE
+    # rates (the sweep's choice is exercised), 32 held-out conversations
+    "mini": ChatConfig(heal=dataclasses.replace(PIPELINE_PRESETS["mini"], layout="packed", seq_length=64,
+                                                teacher_steps=100, cache_tp=1),
+                       prompt_chars=(20, 60), answer_chars=(20, 50), ce_lrs=(5e-4, 2e-3), eval_conversations=32),
 }
 
 
@@ -243,8 +246,6 @@ def run_chat_demo(cfg: ChatConfig, output: pathlib.Path, *, overwrite: bool = Fa
     stage("cache", run_command, cache_command(heal, corpus, teacher, store, data=chat / "train.jsonl",
                                               input_kind="messages"), output / "cache.log", commands,
           threads=max(1, (os.cpu_count() or 1) // heal.cache_tp))
-    plan_args = heal_arguments(heal, pruned, store, output / "heal_kd", alpha=heal.kd_alpha, lr=heal.heal_lr)
-    stage("plan", run_command, package_command("plan", *plan_args), output / "plan.txt", commands)
     rows = chat_rows(cfg, store)
     runs = {"healed KD": ("heal_kd", heal.kd_alpha, heal.heal_lr)}
     runs.update({f"CE lr {lr:g}": (f"heal_ce_lr{lr:g}", 0.0, lr) for lr in cfg.ce_lrs})
