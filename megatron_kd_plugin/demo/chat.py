@@ -51,7 +51,9 @@ from megatron_kd_plugin.demo.pipeline import PRESETS as PIPELINE_PRESETS
 from megatron_kd_plugin.demo.pipeline import (
     HealConfig,
     cache_command,
+    commands_file,
     compress_teacher,
+    demo_parser,
     exported_student,
     heal_arguments,
     outcome,
@@ -63,7 +65,7 @@ from megatron_kd_plugin.demo.pipeline import (
     train_teacher,
 )
 from megatron_kd_plugin.demo.scratch import start_run
-from megatron_kd_plugin.demo.stages import STOPPED, StageClock, add_corpus_arguments, exit_code
+from megatron_kd_plugin.demo.stages import STOPPED, StageClock, exit_code
 
 TOKENS = "held-out assistant"
 """What the evaluation scores, in the table's words."""
@@ -234,8 +236,7 @@ def run_chat_demo(cfg: ChatConfig, output: pathlib.Path, *, overwrite: bool = Fa
     seconds = stage.seconds
     tokenized = start_run(cfg, output, overwrite, stage)
     output = output.resolve()
-    commands = output / "commands.sh"
-    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    commands = commands_file(output)
     tokenized.tokenizer.add_special_tokens(list(chat_data.CHAT_SPECIALS))
     text_corpus = tokenized.save(output / "data")
     chat = output / "chat"
@@ -283,18 +284,7 @@ def run_chat_demo(cfg: ChatConfig, output: pathlib.Path, *, overwrite: bool = Fa
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo --chat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo_chat"),
-                        help="output folder (default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
-    add_corpus_arguments(parser)
-    parser.add_argument("--stdlib", metavar="FOLDER", help="another interpreter's standard-library folder as the "
-                        "corpus; default: the running interpreter's")
-    parser.add_argument("--seed", type=int, help="override the preset's seed")
-    parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
-    parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
+    parser = demo_parser("python -m megatron_kd_plugin demo --chat", __doc__, "outputs/demo_chat", PRESETS)
     parser.add_argument("--layout", help="conversations are cached as packed rows only (the default)")
     return parser.parse_args(argv)
 

@@ -449,6 +449,13 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
     return "\n".join(lines)
 
 
+def commands_file(output: pathlib.Path) -> pathlib.Path:
+    """``output/commands.sh``, started with its header line: ``run_command`` appends each command it runs."""
+    commands = output / "commands.sh"
+    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    return commands
+
+
 def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
     """All stages into ``output``; returns {"metrics", "outcome", "params", "seconds", "corpus", "rows"}.
 
@@ -462,8 +469,7 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
 
     tokenized = start_run(cfg, output, overwrite, stage)
     output = output.resolve()
-    commands = output / "commands.sh"
-    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    commands = commands_file(output)
     corpus = tokenized.save(output / "data")
     teacher, pruned, store = output / "teacher", output / "student_pruned", output / "cache.zarr"
     teacher_history = stage("teacher", train_teacher, cfg, corpus, teacher)
@@ -497,13 +503,14 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     return result
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
+def demo_parser(prog: str, description: str, output: str, presets: dict) -> argparse.ArgumentParser:
+    """The options the main demo and ``demo --chat`` share (all but ``--layout``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
+    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path(output),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(presets), default="default", help="sizes (default: %(default)s)")
     add_corpus_arguments(parser)
     parser.add_argument("--stdlib", metavar="FOLDER", help="another interpreter's standard-library folder as the "
                         "corpus (its *.py files; e.g. ~/.pyenv/versions/3.13.0/lib/python3.13); default: the "
@@ -511,6 +518,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = demo_parser("python -m megatron_kd_plugin demo", __doc__, "outputs/demo", PRESETS)
     parser.add_argument("--layout", choices=LAYOUTS, help="the cache's rows: stream windows or packed whole "
                         "documents (default: the preset's, stream)")
     return parser.parse_args(argv)
