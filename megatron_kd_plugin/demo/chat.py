@@ -81,8 +81,10 @@ class ChatConfig:
     """Characters of a user turn's stretch of the file (drawn uniformly in the range)."""
     answer_chars: tuple[int, int] = (100, 220)
     """Characters of the assistant's turn (drawn uniformly), before fitting into a row."""
-    ce_lrs: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 2e-3)
-    """The CE control's peak learning rates, each a heal; the best held-out perplexity is the one compared."""
+    ce_lrs: tuple[float, ...] = (1.25e-4, 2.5e-4, 5e-4, 1e-3)
+    """The CE control's peak learning rates, each a heal; the best held-out perplexity is the one compared. The best
+    of 6.25e-5 ... 2e-3 on the default preset was 1.25e-4 (seed 1234; 6.25e-5 worse) and 2.5e-4 (seed 7);
+    2e-3 was the worst on both (docs/benchmarks.md)."""
     eval_conversations: int = 512
     """Held-out conversations evaluated, spread evenly over the held-out split's conversations."""
 
