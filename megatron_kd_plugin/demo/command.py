@@ -1,4 +1,4 @@
-"""``python -m megatron_kd_plugin demo [--from-scratch | --mixture | --student-tokenizer X | --tokenizer-transfer X]``.
+"""``python -m megatron_kd_plugin demo [--chat | --from-scratch | --mixture | --student-tokenizer X | --tokenizer-transfer X]``.
 
 Which demo runs: the default heal (``megatron_kd_plugin.demo.pipeline``), or the one a flag names. Each demo parses
 the rest of the arguments itself (``demo --mixture --help``).
@@ -11,6 +11,7 @@ import sys
 
 # flag -> (module, whether the flag is a switch the demo does not take itself)
 DEMOS = {
+    "--chat": ("megatron_kd_plugin.demo.chat", True),
     "--from-scratch": ("megatron_kd_plugin.demo.scratch", True),
     "--mixture": ("megatron_kd_plugin.demo.mixture", True),
     "--student-tokenizer": ("megatron_kd_plugin.demo.student_tokenizer", False),
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = [flag for flag in DEMOS if any(arg == flag or arg.startswith(flag + "=") for arg in argv)]
     if len(named) > 1:
-        print(f"demo: {' and '.join(named)} name different demos; pass one", file=sys.stderr)
+        print(f"demo: error: {' and '.join(named)} name different demos; pass one", file=sys.stderr)
         return 2
     if not named:
         return importlib.import_module(DEFAULT_DEMO).main(argv)

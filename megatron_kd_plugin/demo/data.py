@@ -132,6 +132,8 @@ class DemoCorpus:
     """Id of the end-of-document token."""
     stats: dict
     """Where the text came from, and documents, bytes and tokens per split."""
+    chat_template: str | None = None
+    """The chat template the models' tokenizer folders carry (``demo --chat``'s conversations); None: none."""
 
     MANIFEST = "corpus.json"
 

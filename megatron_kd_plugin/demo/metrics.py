@@ -106,21 +106,67 @@ def evaluate(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, sampl
     if documents is not None and documents.shape != (samples.shape[0], samples.shape[1] - 1):
         raise ValueError(f"documents must be [N, S] = {(samples.shape[0], samples.shape[1] - 1)}, got shape "
                          f"{tuple(documents.shape)}")
+    batches = ((batch[:, :-1], None, batch[:, 1:].reshape(-1),
+                None if documents is None else documents[start:start + micro_batch_size].reshape(-1))
+               for start in range(0, len(samples), micro_batch_size)
+               for batch in [samples[start:start + micro_batch_size]])
+    return _evaluate_batches(models, teacher, batches, total=-(-len(samples) // micro_batch_size),
+                             documents=None if documents is None else int(documents.max()) + 1, desc=desc,
+                             logits_fn=logits_fn)
+
+
+@torch.no_grad()
+def evaluate_masked_documents(models: dict[str, torch.nn.Module], teacher: torch.nn.Module,
+                              tokens: list[torch.Tensor], targets: list[torch.Tensor], documents: list[int], *,
+                              pad_id: int, micro_batch_size: int = 8, desc: str = "evaluate",
+                              logits_fn=hf_logits) -> dict[str, dict]:
+    """``evaluate``'s metrics over the target tokens of whole sequences, each evaluated alone as its own sequence
+    (positions from 0, attending only to itself), e.g. conversations scored on their assistant tokens only.
+
+    Sequence i is ``tokens[i]`` [L_i] int64; token t counts as a label (predicted at t - 1) where
+    ``targets[i][t]`` is 1 (``targets[i]`` [L_i], 0/1; the first token is never one); ``documents[i]`` is what the
+    bootstrap resamples it with (e.g. the file it came from). A micro-batch right-pads its sequences with ``pad_id``:
+    under a causal mask a real token never sees the padding after it, so each row is its sequence alone.
+    """
+    if not len(tokens) == len(targets) == len(documents) or not tokens:
+        raise ValueError(f"need as many targets and documents as sequences (>= 1), got {len(tokens)} sequences, "
+                         f"{len(targets)} targets, {len(documents)} documents")
+    for i, (ids, mask) in enumerate(zip(tokens, targets)):
+        if ids.shape != mask.shape or len(ids) < 2 or mask[0]:
+            raise ValueError(f"sequence {i}: needs >= 2 tokens, targets of the same shape and no target at token 0; "
+                             f"got {tuple(ids.shape)} tokens, {tuple(mask.shape)} targets")
+
+    def batches():
+        for start in range(0, len(tokens), micro_batch_size):
+            ids = torch.nn.utils.rnn.pad_sequence(tokens[start:start + micro_batch_size], batch_first=True,
+                                                  padding_value=pad_id)                      # [b, L]
+            keep = torch.nn.utils.rnn.pad_sequence(targets[start:start + micro_batch_size], batch_first=True,
+                                                   padding_value=0)[:, 1:].bool()           # [b, L-1]
+            owner = torch.tensor(documents[start:start + micro_batch_size])[:, None].expand_as(keep)
+            yield ids[:, :-1], keep.reshape(-1), ids[:, 1:][keep], owner[keep]
+
+    return _evaluate_batches(models, teacher, batches(), total=-(-len(tokens) // micro_batch_size),
+                             documents=max(documents) + 1, desc=desc, logits_fn=logits_fn)
+
+
+def _evaluate_batches(models: dict[str, torch.nn.Module], teacher: torch.nn.Module, batches, *, total: int,
+                      documents: int | None, desc: str, logits_fn) -> dict[str, dict]:
+    """The loop of ``evaluate``: each batch (inputs [b, s], keep [b*s] bool or None (every position), targets
+    [T], documents [T] or None) through every model in eval mode; returns {name: metrics}."""
     everyone = {"teacher": teacher, **models}
     was_training = {name: m.training for name, m in everyone.items()}
     for m in everyone.values():
         m.eval()
-    count = None if documents is None else int(documents.max()) + 1
-    sums = {name: _Sums(by_document=None if count is None else torch.zeros(3, count, dtype=torch.float64))
+    sums = {name: _Sums(by_document=None if documents is None else torch.zeros(3, documents, dtype=torch.float64))
             for name in everyone}
-    for start in tqdm(range(0, len(samples), micro_batch_size), desc=desc, unit="batch"):
-        batch = samples[start:start + micro_batch_size]
-        inputs, targets = batch[:, :-1], batch[:, 1:].reshape(-1)
-        batch_documents = None if documents is None else documents[start:start + micro_batch_size].reshape(-1)
-        teacher_lp = full_logprobs(teacher, inputs, logits_fn)
+    for inputs, keep, targets, batch_documents in tqdm(batches, total=total, desc=desc, unit="batch"):
+        def logprobs(model):
+            full = full_logprobs(model, inputs, logits_fn)                                   # [b*s, V]
+            return full if keep is None else full[keep]
+
+        teacher_lp = logprobs(teacher)
         for name, model in everyone.items():
-            sums[name].add(teacher_lp if model is teacher else full_logprobs(model, inputs, logits_fn), targets,
-                           teacher_lp, batch_documents)
+            sums[name].add(teacher_lp if model is teacher else logprobs(model), targets, teacher_lp, batch_documents)
     for name, m in everyone.items():
         m.train(was_training[name])
     return {name: s.result() for name, s in sums.items()}

@@ -3,6 +3,7 @@
     python -m megatron_kd_plugin demo [--output outputs/demo] [--preset default|mini] [--overwrite] [--seed N]
                                       [--corpus FOLDER_OR_JSONL [--text-key text] | --stdlib FOLDER]
                                       [--layout stream|packed]
+    python -m megatron_kd_plugin demo --chat ...   # conversations: a chat teacher, assistant-only masks and eval
     python -m megatron_kd_plugin demo --from-scratch ...   # the first demo: students trained from random weights
     python -m megatron_kd_plugin demo --student-tokenizer unigram|bpe|PATH ...   # cross-tokenizer KD, bits per byte
     python -m megatron_kd_plugin demo --mixture ...   # data-mixture ablation: two caches, heals on three blends
@@ -228,7 +229,7 @@ def train_teacher(cfg: HealConfig, corpus, folder: pathlib.Path) -> list[dict]:
     history = train(model, hf_ce_step(model, samples, micro_batches(samples, cfg.micro_batch_size, cfg.seed)),
                     train_cfg, desc="teacher (CE)")
     model.eval().save_pretrained(folder)
-    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder)
+    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder, corpus.chat_template)
     return history
 
 
@@ -241,7 +242,7 @@ def compress_teacher(cfg: HealConfig, corpus, teacher_folder: pathlib.Path, fold
     calibration = token_windows(corpus.train_prefix, cfg.seq_length)[-cfg.calibration_samples:, :-1]
     student = qwen3_models.compress(teacher, cfg.keep_layers, cfg.mlp_keep, calibration)
     student.save_pretrained(folder)
-    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder)
+    qwen3_models.save_tokenizer(corpus.tokenizer_path, folder, corpus.chat_template)
     return {"teacher": qwen3_models.parameter_count(teacher), "student": qwen3_models.parameter_count(student)}
 
 
@@ -250,17 +251,20 @@ def package_command(*args: str) -> list[str]:
 
 
 def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib.Path,
-                  selection: list[str] | None = None) -> list[str]:
+                  selection: list[str] | None = None, *, data: pathlib.Path | None = None,
+                  input_kind: str | None = None) -> list[str]:
     """The cache command writing ``cfg.cache_samples`` samples; ``selection``: what each token keeps (default
     ``cfg.cache_selection``; e.g. ``--topk 100``, ``--draws 64``, or ``--top-p 0.9``, capped by ``--topk
-    cfg.topk``)."""
+    cfg.topk``); ``data``: what it reads (default the corpus's train split), as ``input_kind`` if given (``cache
+    --input-kind``)."""
     if selection is None:
         selection = cfg.cache_selection
     elif "--draws" not in selection and "--topk" not in selection:
         selection = ["--topk", str(cfg.topk), *selection]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.cache_tp}",
-            "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher), "--data", str(corpus.train_prefix),
-            "--output", str(store), "--seq-length", str(cfg.seq_length), "--layout", cfg.layout, *selection,
+            "-m", "megatron_kd_plugin", "cache", "--teacher", str(teacher),
+            "--data", str(corpus.train_prefix if data is None else data),
+            *([] if input_kind is None else ["--input-kind", input_kind]), "--output", str(store), "--seq-length", str(cfg.seq_length), "--layout", cfg.layout, *selection,
             "--tp", str(cfg.cache_tp), "--num-samples", str(cfg.cache_samples),
             "--micro-batch-size", str(cfg.micro_batch_size), "--no-progress"]
 
@@ -280,12 +284,14 @@ def row_figures(cfg: HealConfig, store: pathlib.Path) -> dict:
 
 
 def rows_line(rows: dict) -> str:
-    """The heals' rows in words (``row_figures``)."""
+    """The heals' rows in words (``row_figures``; ``masked_in``: the share of token slots with loss mask 1)."""
     line = f"Heal rows: {rows['layout']}, {rows['rows']:,} rows, {rows['loss_targets']:,} loss targets"
     if "packing" in rows:
         p = rows["packing"]
         line += (f" ({p['documents']:,} documents in {p['pieces']:,} pieces, {p['split']:,} split; packing "
                  f"efficiency {p['efficiency']:.1%})")
+    if "masked_in" in rows:
+        line += f", {rows['masked_in']:.1%} of the rows' token slots masked in"
     return line + "."
 
 
@@ -411,10 +417,10 @@ def corpus_line(stats: dict) -> str:
 
 
 def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[str, float], corpus: dict,
-                  rows: dict) -> str:
+                  rows: dict, *, tokens: str = "held-out") -> str:
     """The final table (markdown): one row per model, the unigram baseline, the verdict with its intervals, the
     heals' rows (``rows``: ``row_figures``), the corpus (``corpus``: the data's stats with its fingerprint), then
-    stage times."""
+    stage times; ``tokens`` names the evaluated tokens (``demo --chat``: "held-out assistant")."""
     shapes = {"teacher": f"{cfg.teacher.num_hidden_layers} layers, MLP {cfg.teacher.intermediate_size}, "
                          f"{params['teacher'] / 1e6:.2f}M params, {cfg.teacher_steps} steps",
               "pruned": f"layers {list(cfg.keep_layers)}, MLP {round(cfg.teacher.intermediate_size * cfg.mlp_keep)}"
@@ -422,7 +428,7 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
               "healed KD": f"{cfg.heal_steps} steps, lr {cfg.heal_lr:g}, alpha {cfg.kd_alpha}, {cfg.teacher_rows}, "
                            f"{cfg.kd_tail} tail",
               "healed CE": f"{cfg.heal_steps} steps, lr {cfg.ce_lr:g}, alpha 0"}
-    lines = ["| model | held-out perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
+    lines = [f"| model | {tokens} perplexity | KL(teacher ‖ model) nats/token | ECE |", "|---|---:|---:|---:|"]
     for name in MODELS:
         m = metrics[name]
         lines.append(f"| {name} ({shapes[name]}) | {m['perplexity']:.3f} | {m['kl_to_teacher']:.4f} | "
@@ -430,7 +436,7 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
     lines.append(f"| unigram (train-split token frequencies) | {metrics['unigram']['perplexity']:.3f} | | |")
     o = outcome(metrics)
     (ppl_low, ppl_high), (kl_low, kl_high) = o["kd_vs_ce_perplexity_interval"], o["kd_minus_ce_kl_interval"]
-    lines += ["", f"KD heal vs CE heal at the same budget, on {metrics['healed KD']['tokens']:,} held-out tokens: "
+    lines += ["", f"KD heal vs CE heal at the same budget, on {metrics['healed KD']['tokens']:,} {tokens} tokens: "
                   f"perplexity {o['kd_vs_ce_perplexity']:+.2%} (95% interval {ppl_low:+.2%} ... {ppl_high:+.2%}), "
                   f"KL to the teacher {o['kd_minus_ce_kl']:+.4f} nats/token (95% interval {kl_low:+.4f} ... "
                   f"{kl_high:+.4f}; {o['kd_vs_ce_kl']:+.1%}). {o['verdict']}",
@@ -441,6 +447,13 @@ def results_table(cfg: HealConfig, metrics: dict, params: dict, seconds: dict[st
               rows_line(rows), corpus_line(corpus)]
     lines += stage_lines(seconds)
     return "\n".join(lines)
+
+
+def commands_file(output: pathlib.Path) -> pathlib.Path:
+    """``output/commands.sh``, started with its header line: ``run_command`` appends each command it runs."""
+    commands = output / "commands.sh"
+    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    return commands
 
 
 def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) -> dict:
@@ -456,8 +469,7 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
 
     tokenized = start_run(cfg, output, overwrite, stage)
     output = output.resolve()
-    commands = output / "commands.sh"
-    commands.write_text("# the package commands the demo ran, in order (python = the demo's interpreter)\n")
+    commands = commands_file(output)
     corpus = tokenized.save(output / "data")
     teacher, pruned, store = output / "teacher", output / "student_pruned", output / "cache.zarr"
     teacher_history = stage("teacher", train_teacher, cfg, corpus, teacher)
@@ -491,13 +503,14 @@ def run_demo(cfg: HealConfig, output: pathlib.Path, *, overwrite: bool = False) 
     return result
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_kd_plugin demo", description=__doc__,
+def demo_parser(prog: str, description: str, output: str, presets: dict) -> argparse.ArgumentParser:
+    """The options the main demo and ``demo --chat`` share (all but ``--layout``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path("outputs/demo"),
+    parser.add_argument("--output", type=pathlib.Path, default=pathlib.Path(output),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(presets), default="default", help="sizes (default: %(default)s)")
     add_corpus_arguments(parser)
     parser.add_argument("--stdlib", metavar="FOLDER", help="another interpreter's standard-library folder as the "
                         "corpus (its *.py files; e.g. ~/.pyenv/versions/3.13.0/lib/python3.13); default: the "
@@ -505,6 +518,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="override the preset's seed")
     parser.add_argument("--teacher-steps", type=int, help="override the preset's teacher steps")
     parser.add_argument("--heal-steps", type=int, help="override the preset's heal steps (each heal)")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = demo_parser("python -m megatron_kd_plugin demo", __doc__, "outputs/demo", PRESETS)
     parser.add_argument("--layout", choices=LAYOUTS, help="the cache's rows: stream windows or packed whole "
                         "documents (default: the preset's, stream)")
     return parser.parse_args(argv)

@@ -42,11 +42,15 @@ class Qwen3Shape:
     """MLP width."""
 
 
-def save_tokenizer(tokenizer_json: pathlib.Path, folder: pathlib.Path) -> None:
-    """The demo's ``tokenizer.json`` as a transformers tokenizer in ``folder``."""
+def save_tokenizer(tokenizer_json: pathlib.Path, folder: pathlib.Path, chat_template: str | None = None) -> None:
+    """The demo's ``tokenizer.json`` as a transformers tokenizer in ``folder``, with ``chat_template`` if given (what
+    ``apply_chat_template`` and ``cache --input-kind messages`` render conversations with)."""
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token=EOD_TOKEN).save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token=EOD_TOKEN)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
 
 
 def new_teacher(shape: Qwen3Shape, vocab_size: int, seq_length: int, eod_id: int, seed: int):
