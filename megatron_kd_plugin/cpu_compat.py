@@ -21,6 +21,8 @@ import re
 import torch
 
 _applied = False
+_window_softmax = None
+"""megatron-core's local softmax as ``_window_within_mask`` wraps it, once applied."""
 
 
 def cuda_absent() -> bool:
@@ -52,7 +54,8 @@ def apply_cpu_workarounds() -> None:
     # a sliding-window layer's local softmax replaces the mask it is given by its window's: packed rows' documents
     # (documents.document_attention_mask) would see one another within the window
     softmax = fused_softmax.FusedScaleMaskSoftmax
-    softmax.forward_torch_softmax = _window_within_mask(softmax.forward_torch_softmax)
+    global _window_softmax
+    _window_softmax = softmax.forward_torch_softmax = _window_within_mask(softmax.forward_torch_softmax)
     # multi-latent attention (DeepSeek-V3, Kimi-K2) hands its core attention TE's k_channels / v_channels, which the
     # local DotProductAttention of the non-TE layer specs does not take
     from megatron.core.models import backends
@@ -78,6 +81,14 @@ def _attention_with_head_widths(local_attention: type) -> type:
                 self.softmax_scale = 1.0 / (k_channels ** 0.5) / coeff
 
     return DotProductAttention
+
+
+def window_keeps_given_mask() -> bool:
+    """Whether megatron-core's local softmax on a sliding-window layer masks the mask it is given too (this
+    module's ``_window_within_mask`` is in place: only on a machine without CUDA)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    return _window_softmax is not None and FusedScaleMaskSoftmax.forward_torch_softmax is _window_softmax
 
 
 def _window_within_mask(forward_torch_softmax):

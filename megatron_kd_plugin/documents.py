@@ -87,6 +87,31 @@ def packed_seq_params(position_ids: torch.Tensor, device: torch.device | str | N
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-def uses_te_attention(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s core attention is Transformer Engine's (which takes packed sequences, not a mask)."""
-    return any(type(module).__name__.startswith("TEDotProductAttention") for module in model.modules())
+ATTENTIONS = ("packed_sequences", "mask", "window_drops_mask")
+"""How a model's attention keeps a row's documents apart (``document_attention``)."""
+
+WINDOW_DROPS_MASK = ("rows of several documents (a packed or document store) on a model with a sliding-window "
+                     "layer under megatron-core's local attention on a GPU: its window layers replace the documents' "
+                     "mask by the window's, so documents would see one another; use Transformer Engine's attention "
+                     "(packed sequences) or a stream store")
+"""The refusal of such rows where ``document_attention`` is ``window_drops_mask``."""
+
+
+def document_attention(model: torch.nn.Module) -> str:
+    """How ``model``'s attention keeps the documents of a row apart (one of :data:`ATTENTIONS`):
+
+    - ``packed_sequences``: Transformer Engine's core attention, which takes ``packed_seq_params`` (THD);
+    - ``mask``: megatron-core's local attention, which takes the block-diagonal mask;
+    - ``window_drops_mask``: local attention with a sliding-window layer whose softmax replaces the mask it is
+      given by its window's (megatron-core's ``FusedScaleMaskSoftmax.forward_torch_softmax``; ``cpu_compat`` makes
+      it mask both on a machine without CUDA): rows of several documents are refused (:data:`WINDOW_DROPS_MASK`).
+    """
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    from megatron_kd_plugin.cpu_compat import window_keeps_given_mask
+
+    modules = list(model.modules())
+    if any(type(module).__name__.startswith("TEDotProductAttention") for module in modules):
+        return "packed_sequences"
+    windowed = any(isinstance(module, FusedScaleMaskSoftmax) and module.window_size is not None for module in modules)
+    return "window_drops_mask" if windowed and not window_keeps_given_mask() else "mask"

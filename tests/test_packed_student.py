@@ -18,6 +18,8 @@ One spawned call (2 ranks, ~15 s): both ranks run the TP = 1 steps, then the sam
 
 from __future__ import annotations
 
+import functools
+import re
 import types
 
 import pytest
@@ -136,7 +138,7 @@ def _step(state, model, batches) -> dict:
 
 
 class TEDotProductAttentionStandIn(torch.nn.Module):
-    """Named as Transformer Engine's core attention, which the KD step looks for (``documents.uses_te_attention``)."""
+    """Named as Transformer Engine's core attention, which the KD step looks for (``documents.document_attention``)."""
 
 
 class THDGPTModel(torch.nn.Module):
@@ -232,7 +234,7 @@ def test_several_documents_are_refused_under_context_and_pipeline_parallelism():
 
     batch = packed_batch()
     with pytest.raises(ValueError, match=r"^model.context_parallel_size=2 with rows of several documents"):
-        row_attention(batch.position_ids, te_attention=False, device=torch.device("cpu"), cp_size=2)
+        row_attention(batch.position_ids, attention="mask", device=torch.device("cpu"), cp_size=2)
     for first, last in ((True, False), (False, True)):
         with pytest.raises(ValueError, match=r"^model.pipeline_model_parallel_size > 1 with rows of several"):
             get_kd_batch(iter([batch]), is_first_stage=first, is_last_stage=last)
@@ -250,13 +252,13 @@ def test_rows_of_one_document_keep_the_plain_causal_attention():
     """A batch whose every row is one document (a stream store's, or windows cut inside documents) gets exactly
     the mask the step gave before packed rows existed, and no packed sequences, with or without TE attention."""
     from megatron_kd_plugin.bridge.forward_step import row_attention
-    from megatron_kd_plugin.documents import causal_mask
+    from megatron_kd_plugin.documents import ATTENTIONS, causal_mask
 
     positions = torch.stack([torch.arange(S), torch.arange(S) + 40])
-    for te_attention in (False, True):
-        attention = row_attention(positions, te_attention=te_attention, device=torch.device("cpu"))
+    for kind in ATTENTIONS:
+        attention = row_attention(positions, attention=kind, device=torch.device("cpu"))
         assert attention.packed_seq_params is None and torch.equal(attention.attention_mask, causal_mask(S))
-    packed = row_attention(packed_batch().position_ids, te_attention=True, device=torch.device("cpu"))
+    packed = row_attention(packed_batch().position_ids, attention="packed_sequences", device=torch.device("cpu"))
     assert packed.attention_mask is None
     assert packed.packed_seq_params.cu_seqlens_q.tolist() == [0, 12, 19, 32, 64]
 
@@ -267,3 +269,40 @@ def test_a_cross_tokenizer_student_refuses_a_documents_store():
     reader = types.SimpleNamespace(spec=types.SimpleNamespace(documents=True, layout="packed"), path="chat.zarr")
     with pytest.raises(ValueError, match=r"^chat.zarr holds packed rows and a student with its own tokenizer"):
         CrossTokenizerRows(reader, seq_length=S, student=object())
+
+
+def test_rows_of_several_documents_are_refused_where_a_window_layer_drops_their_mask(monkeypatch):
+    """megatron-core's own local softmax (as on a GPU without Transformer Engine) lets a packed row's documents see
+    one another on a sliding-window layer; the KD step and the teacher refuse such rows there in one line, and take
+    them where ``cpu_compat`` masks both (rows of one document pass either way)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from megatron_kd_plugin.bridge.forward_step import row_attention
+    from megatron_kd_plugin.cache.teacher_forward import TeacherForward
+    from megatron_kd_plugin.cpu_compat import apply_cpu_workarounds
+    from megatron_kd_plugin.documents import WINDOW_DROPS_MASK, document_attention, document_attention_mask
+
+    apply_cpu_workarounds()
+    model = torch.nn.Sequential(FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, False, attention_mask_func,
+                                                      True, None, window_size=(4, 0)))
+    positions = torch.cat([torch.arange(5), torch.arange(3)])[None]         # [1, 8]: documents of 5 and 3 tokens
+    mask = document_attention_mask(positions)                               # [1, 1, 8, 8]
+    scores = torch.randn(1, 1, 8, 8, dtype=torch.float64)
+
+    def crossing():                             # attention the second document pays the first (the softmax masks
+        return float(model[0](scores.clone(), mask)[..., 5:, :5].sum())     # its input in place)
+
+    assert document_attention(model) == "mask" and crossing() == 0
+    monkeypatch.setattr(FusedScaleMaskSoftmax, "forward_torch_softmax",
+                        FusedScaleMaskSoftmax.forward_torch_softmax.__wrapped__)   # megatron-core's own
+    assert crossing() > 0.1                                                 # the bug the refusal is for
+    assert document_attention(model) == "window_drops_mask"
+    assert document_attention(torch.nn.Sequential(torch.nn.Linear(2, 2))) == "mask"   # no window layer
+    teacher = types.SimpleNamespace(cp_group=None, attention="window_drops_mask")
+    for attend in (functools.partial(row_attention, attention="window_drops_mask", device=torch.device("cpu")),
+                   lambda p: TeacherForward._inputs(teacher, torch.zeros_like(p), p, False)):
+        with pytest.raises(ValueError, match="^" + re.escape(WINDOW_DROPS_MASK) + "$"):
+            attend(positions)
+        attend(torch.arange(8)[None])                                       # one document: plain causal

@@ -28,8 +28,8 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_kd_plugin.bridge.context_parallel import slice_kd_batch_for_cp
 from megatron_kd_plugin.cache import KDRow
-from megatron_kd_plugin.documents import (causal_mask, document_attention_mask, packed_seq_params, several_documents,
-                                          uses_te_attention)
+from megatron_kd_plugin.documents import (WINDOW_DROPS_MASK, causal_mask, document_attention, document_attention_mask,
+                                          packed_seq_params, several_documents)
 from megatron_kd_plugin.loss import KDLossInputs, KDLossResult, kd_loss, tensor_map
 
 
@@ -42,31 +42,34 @@ class RowAttention(NamedTuple):
     """THD packed sequences (Transformer Engine's attention): the rows are then folded into one [1, b·S] sequence."""
 
 
-def row_attention(position_ids: torch.Tensor, *, te_attention: bool, device: torch.device, cp_size: int = 1
+def row_attention(position_ids: torch.Tensor, *, attention: str, device: torch.device, cp_size: int = 1
                   ) -> RowAttention:
     """The attention of a batch of rows from its host position_ids [b, S], for this rank's S/cp tokens of each row.
 
     Rows of one document each keep plain causal attention (``_causal_mask_off_cuda``); a batch with a row of several
-    documents gets each document attending within itself: Transformer Engine's attention (``te_attention``) the
-    documents as packed sequences, megatron-core's local attention the block-diagonal causal mask (on any device).
-    Several documents under context parallelism (``cp_size`` > 1) are refused: megatron-core's load-balanced CP
-    split cuts across documents.
+    documents gets each document attending within itself, by the model's ``attention``
+    (``documents.document_attention``): Transformer Engine's attention the documents as packed sequences,
+    megatron-core's local attention the block-diagonal causal mask (on any device). Refused (ValueError): several
+    documents under context parallelism (``cp_size`` > 1; megatron-core's load-balanced CP split cuts across
+    documents), or on a sliding-window model whose window layers drop the mask (``window_drops_mask``).
     """
     if not several_documents(position_ids):
         return RowAttention(_causal_mask_off_cuda(position_ids.shape[1] // cp_size))
     if cp_size > 1:
         raise ValueError(f"model.context_parallel_size={cp_size} with rows of several documents (a packed or "
                          "document store): context parallelism would split documents; use 1")
-    if te_attention:
+    if attention == "window_drops_mask":
+        raise ValueError(WINDOW_DROPS_MASK)
+    if attention == "packed_sequences":
         return RowAttention(None, packed_seq_params(position_ids, device))
     return RowAttention(document_attention_mask(position_ids).to(device, non_blocking=True))
 
 
 def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp_group=None,
-                 te_attention: bool = False) -> tuple[KDRow | None, RowAttention | None]:
+                 attention: str = "mask") -> tuple[KDRow | None, RowAttention | None]:
     """This stage's part of the next batch (a batch-first ``KDRow``), on the model's device, cut to this rank's S/cp
     tokens when ``cp_group`` has more than one rank (``slice_kd_batch_for_cp``), and its attention
-    (``row_attention`` for the model's attention, Transformer Engine's or not: ``te_attention``; from the rows'
+    (``row_attention`` for the model's ``attention``, ``documents.document_attention``; from the rows'
     position ids before they leave the host, so no device-to-host read).
 
     Middle pipeline stages consume nothing and get (None, None) (their input arrives from the previous stage); the
@@ -84,7 +87,7 @@ def get_kd_batch(data_iterator, *, is_first_stage: bool, is_last_stage: bool, cp
                          "document store): the KD step hands only one-stage models their documents' attention; use 1")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    attention = row_attention(batch.position_ids, te_attention=te_attention, device=device, cp_size=cp_size)
+    attention = row_attention(batch.position_ids, attention=attention, device=device, cp_size=cp_size)
     batch = batch._replace(**{} if is_first_stage else dict(tokens=None, position_ids=None),
                            **{} if is_last_stage else dict(labels=None, loss_mask=None, teacher=None, source=None))
     batch = tensor_map(lambda t: t.to(device, non_blocking=True), batch)
@@ -186,7 +189,7 @@ def kd_forward_step(state, data_iterator, model, return_schedule_plan: bool = Fa
     pg_collection = get_attr_wrapped_model(model, "pg_collection")
     batch, attention = get_kd_batch(data_iterator, is_first_stage=is_pp_first_stage(pg_collection.pp),
                                     is_last_stage=is_pp_last_stage(pg_collection.pp), cp_group=pg_collection.cp,
-                                    te_attention=uses_te_attention(model))
+                                    attention=document_attention(model))
     if batch is None:   # a middle pipeline stage: rows of one document (several are refused with PP > 1)
         batch, attention = KDRow(None, None, None, None, None), RowAttention(_causal_mask_off_cuda(config.seq_length))
     thd = attention.packed_seq_params is not None

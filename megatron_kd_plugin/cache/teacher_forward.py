@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from megatron_kd_plugin.cache.teacher_context_parallel import cp_size_of, slice_tokens
 from megatron_kd_plugin.cache.teacher_head import TeacherHidden
-from megatron_kd_plugin.documents import (causal_mask, document_attention_mask, packed_seq_params, several_documents,
-                                          uses_te_attention)
+from megatron_kd_plugin.documents import (WINDOW_DROPS_MASK, causal_mask, document_attention, document_attention_mask,
+                                          packed_seq_params, several_documents)
 
 
 def head_inputs(*, hidden_states, output_layer, output_weight, scale_logits, **_):
@@ -126,7 +126,7 @@ class TeacherForward:
         stage the final ones, after the final norm; its lm_head shard and logit scaling kept in ``weight``,
         ``scale_logits``); ``hidden`` is the previous stage's output (None on the first stage)."""
         b, s = tokens.shape
-        packed = self.cp_group is None and self.te_attention and several_documents(position_ids)
+        packed = self.cp_group is None and self.attention == "packed_sequences" and several_documents(position_ids)
         if hidden is not None:
             self.model.set_input_tensor(hidden.reshape(s, b, -1).transpose(0, 1).reshape(b * s, 1, -1)
                                         if packed else hidden)
@@ -139,8 +139,8 @@ class TeacherForward:
         return output.reshape(b, s, -1).transpose(0, 1) if packed else output    # THD [b·s, 1, h] -> [s, b, h]
 
     @functools.cached_property
-    def te_attention(self) -> bool:
-        return uses_te_attention(self.model)
+    def attention(self) -> str:
+        return document_attention(self.model)
 
     def _inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor, packed: bool) -> tuple[tuple, dict]:
         """((tokens, position ids, attention mask), keyword arguments) of the model call: this CP rank's slice under
@@ -156,6 +156,8 @@ class TeacherForward:
                     {"packed_seq_params": packed_seq_params(position_ids)})
         if not several_documents(position_ids):
             return (tokens, position_ids, causal_mask(tokens.shape[1], tokens.device)), {}
+        if self.attention == "window_drops_mask":
+            raise ValueError(WINDOW_DROPS_MASK)
         return (tokens, position_ids, document_attention_mask(position_ids)), {}
 
     def _pipeline_forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
