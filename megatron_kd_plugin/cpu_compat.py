@@ -32,7 +32,7 @@ def cuda_absent() -> bool:
 
 def apply_cpu_workarounds() -> None:
     """Make megatron-core usable on CPU; a no-op with CUDA present, idempotent otherwise."""
-    global _applied
+    global _applied, _window_softmax
     if _applied or not cuda_absent():
         return
     # megatron allocates buffers with device=torch.cuda.current_device() (~200 places: attention masks, RoPE,
@@ -54,7 +54,6 @@ def apply_cpu_workarounds() -> None:
     # a sliding-window layer's local softmax replaces the mask it is given by its window's: packed rows' documents
     # (documents.document_attention_mask) would see one another within the window
     softmax = fused_softmax.FusedScaleMaskSoftmax
-    global _window_softmax
     _window_softmax = softmax.forward_torch_softmax = _window_within_mask(softmax.forward_torch_softmax)
     # multi-latent attention (DeepSeek-V3, Kimi-K2) hands its core attention TE's k_channels / v_channels, which the
     # local DotProductAttention of the non-TE layer specs does not take
