@@ -20,8 +20,8 @@ folder)."""
 
 # Lowest first. A unit is a subpackage or a top-level module of the package.
 LAYERS = (
-    {"cpu_compat", "kernels", "documents"},
-    {"loss", "models"},
+    {"cpu_compat", "kernels"},
+    {"loss", "models", "documents"},
     {"cache", "bridge"},
     {"recipes"},
     {"commands"},
