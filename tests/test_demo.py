@@ -335,9 +335,10 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
                                          else "KD does NOT beat CE")
     assert corpus["source"].startswith("stdlib:") and len(corpus["sha256"]) == 64 and corpus["python"]
     assert corpus["sha256"][:16] in (folder / "results.md").read_text()
-    assert result["rows"] == {"layout": "stream", "rows": MINI.cache_samples,      # the default: stream windows
-                              "loss_targets": MINI.cache_samples * MINI.seq_length}
-    assert f"Heal rows: stream, {MINI.cache_samples:,} rows" in (folder / "results.md").read_text()
+    rows = result["rows"]                                   # the default: whole files packed into rows
+    assert rows["layout"] == "packed" and rows["rows"] == MINI.cache_samples and rows["packing"]["documents"] >= 1
+    assert rows["loss_targets"] < MINI.cache_samples * MINI.seq_length       # a loss mask of 0 ends each piece
+    assert f"Heal rows: packed, {MINI.cache_samples:,} rows" in (folder / "results.md").read_text()
     assert metrics["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["teacher"]["perplexity"] < metrics["unigram"]["perplexity"]     # the teacher learnt something
     kd, ce, pruned = metrics["healed KD"], metrics["healed CE"], metrics["pruned"]

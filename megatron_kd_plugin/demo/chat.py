@@ -75,8 +75,8 @@ TOKENS = "held-out assistant"
 class ChatConfig:
     """The chat demo: the main demo's settings (``heal``) and the conversations'."""
 
-    heal: HealConfig = dataclasses.replace(PIPELINE_PRESETS["default"], layout="packed")
-    """Corpus, teacher, compression, cache and heal settings (``pipeline.HealConfig``; its layout is packed)."""
+    heal: HealConfig = PIPELINE_PRESETS["default"]
+    """Corpus, teacher, compression, cache and heal settings (``pipeline.HealConfig``; its layout must be packed)."""
     prompt_chars: tuple[int, int] = (120, 260)
     """Characters of a user turn's stretch of the file (drawn uniformly in the range)."""
     answer_chars: tuple[int, int] = (100, 220)
@@ -115,7 +115,7 @@ PRESETS = {
     # the main demo's miniature (512-token vocabulary) at S = 64 (a row of 33 tokens holds the markup, the
     # instruction and little else), 100 teacher steps, the cache at TP 1 (its test's time): short stretches, two CE
     # rates (the sweep's choice is exercised), 32 held-out conversations
-    "mini": ChatConfig(heal=dataclasses.replace(PIPELINE_PRESETS["mini"], layout="packed", seq_length=64,
+    "mini": ChatConfig(heal=dataclasses.replace(PIPELINE_PRESETS["mini"], seq_length=64,
                                                 teacher_steps=100, cache_tp=1),
                        prompt_chars=(20, 60), answer_chars=(20, 50), ce_lrs=(5e-4, 2e-3), eval_conversations=32),
 }

@@ -61,10 +61,11 @@ class MixtureConfig:
     """The ablation: the main demo's stages (``heal``: sizes, steps, learning rates) and what is mixed."""
 
     heal: HealConfig = dataclasses.replace(PIPELINE_PRESETS["default"], heal_steps=60, teacher_steps=400,
-                                           eval_samples=64)
+                                           eval_samples=64, layout="stream")
     """Teacher, compression, cache and heal settings (``pipeline.HealConfig``; its corpus: vocabulary and held-out
-    share; the byte budgets below replace its own); the teacher steps and eval samples the ablation was measured
-    with (the main demo's grew for issue #41; 512 eval samples would not fit these held-out budgets)."""
+    share; the byte budgets below replace its own); the teacher steps, eval samples and stream layout the ablation
+    was measured with (the main demo's steps and samples grew for issue #41, its layout became packed after; 512
+    eval samples would not fit these held-out budgets)."""
     code_bytes: int = 1_200_000
     """Byte budget of the code domain's train split."""
     prose_bytes: int = 450_000
@@ -93,7 +94,7 @@ class MixtureConfig:
 PRESETS = {
     "default": MixtureConfig(),
     # for tests: every stage at the main demo's mini sizes
-    "mini": MixtureConfig(heal=PIPELINE_PRESETS["mini"], code_bytes=60_000, prose_bytes=40_000, heldout_bytes=20_000),
+    "mini": MixtureConfig(heal=dataclasses.replace(PIPELINE_PRESETS["mini"], layout="stream"), code_bytes=60_000, prose_bytes=40_000, heldout_bytes=20_000),
 }
 
 
