@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import zarr
 
 from megatron_kd_plugin.demo import data
 from megatron_kd_plugin.demo.metrics import ECE_BINS, evaluate
@@ -337,7 +338,10 @@ def test_mini_heal_end_to_end_from_an_installation_and_its_kd_heal_rerun_from_th
     assert corpus["sha256"][:16] in (folder / "results.md").read_text()
     rows = result["rows"]                                   # the default: whole files packed into rows
     assert rows["layout"] == "packed" and rows["rows"] == MINI.cache_samples and rows["packing"]["documents"] >= 1
-    assert rows["loss_targets"] < MINI.cache_samples * MINI.seq_length       # a loss mask of 0 ends each piece
+    assert rows["packing"]["pieces"] >= MINI.cache_samples        # a row holds one piece or more, each of >1 token
+    loss_mask = zarr.open_group(str(folder / "cache.zarr"), mode="r")["loss_mask"][:]
+    assert loss_mask.shape == (MINI.cache_samples, MINI.seq_length)
+    assert rows["loss_targets"] == int(loss_mask.sum()) <= MINI.cache_samples * MINI.seq_length
     assert f"Heal rows: packed, {MINI.cache_samples:,} rows" in (folder / "results.md").read_text()
     assert metrics["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["teacher"]["perplexity"] < metrics["unigram"]["perplexity"]     # the teacher learnt something

@@ -274,15 +274,16 @@ def cache_command(cfg: HealConfig, corpus, teacher: pathlib.Path, store: pathlib
 
 def row_figures(cfg: HealConfig, store: pathlib.Path) -> dict:
     """What the heals' rows hold: the layout, the rows, their loss targets (tokens whose next token is a label: S
-    per stream window; per packed piece its length - 1) and, for packed rows, the store's packing figures
-    (documents, pieces, split, dropped, efficiency = document tokens / row slots)."""
+    per stream window; in packed rows the store's ``loss_mask`` ones, a piece's length - 1) and, for packed rows,
+    the store's packing figures (documents, pieces, split, dropped, efficiency = document tokens / row slots)."""
+    from megatron_kd_plugin.cache.store import array_names
     from megatron_kd_plugin.cache.store import format as fmt
 
     figures = {"layout": cfg.layout, "rows": cfg.cache_samples, "loss_targets": cfg.cache_samples * cfg.seq_length}
-    packing = fmt.open_group(store, mode="r").attrs.get("packing")
-    if packing:
-        slots = cfg.cache_samples * (cfg.seq_length + 1)
-        figures.update(loss_targets=round(packing["efficiency"] * slots) - packing["pieces"], packing=packing)
+    group = fmt.open_group(store, mode="r")
+    if packing := group.attrs.get("packing"):
+        loss_mask = group[array_names.LOSS_MASK][: cfg.cache_samples]
+        figures.update(loss_targets=int(loss_mask.sum()), packing=packing)
     return figures
 
 
