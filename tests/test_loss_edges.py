@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megatron_kd_plugin.loss import TopKTeacher, topk_kd_loss
-from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_saturated_case,  # noqa: F401
-                                     make_small_tail_case, one_thread, rel_err, run_loss, teacher_of)
+from tests.test_loss_helpers import (SATURATED_COMBOS, make_case, make_head_draws_case,  # noqa: F401
+                                     make_sampled_case, make_saturated_case, make_small_tail_case, one_thread,
+                                     rel_err, run_loss, teacher_of)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -163,6 +164,43 @@ def test_masked_out_tokens_count_nothing_whatever_their_teacher_rows(tail):
         assert rel_err(got.loss_sum, ref.loss_sum) < 1e-12, path
         assert rel_err(dh, ref_dh) < 1e-12 and rel_err(dw, ref_dw) < 1e-12, path
         assert not dh[masked].any(), path   # a masked position's hidden state gets no gradient
+
+
+@pytest.mark.parametrize("store", ["draws t=1", "draws t=0.7", "draws t=1.5", "head + draws"])
+def test_masked_out_tokens_of_a_sampled_store_count_nothing_when_they_hold_padding_slots(store):
+    """A sampled or head + draws store holds padding slots (id 0, log-prob -inf) at the tokens of loss mask 0
+    (issue 49), and the reader weighs them from those log-probs as from any row (``draw_weights``,
+    ``head_draw_weights``; G, the proposal's log-normaliser, stays the teacher's, finite): every weight is finite
+    and >= 0, so the loss's value check passes (t < 1 once gave +inf), and the loss, token count and gradients are
+    those of the intact rows, in every path."""
+    from megatron_kd_plugin.cache.kinds.draws import draw_weights
+    from megatron_kd_plugin.cache.kinds.head_draws import head_draw_weights
+
+    shape = dict(s=3, b=11, vocab=40)
+    if store == "head + draws":
+        case = make_head_draws_case(head=3, draws=6, **shape)
+        weigh = lambda logprobs: head_draw_weights(logprobs, 3).double()                       # noqa: E731
+    else:
+        t = float(store.split("=")[1])
+        case = make_sampled_case(draws=6, proposal_temperature=t, k=5, **shape)
+        lognorm = torch.randn(case["loss_mask"].shape, generator=torch.Generator().manual_seed(3))
+        weigh = lambda logprobs: draw_weights(logprobs, lognorm, t).double()                    # noqa: E731
+    masked = case["loss_mask"] == 0
+    assert 3 <= masked.sum() < masked.numel()
+    padded = torch.where(masked[..., None], -torch.inf, case["teacher_logprobs"])
+    weights = weigh(padded)
+    assert torch.isfinite(weights).all() and (weights >= 0).all()
+    blanked = dict(case, teacher_ids=torch.where(masked[..., None], 0, case["teacher_ids"]), teacher_logprobs=padded,
+                   draw_weights=torch.where(masked[..., None], weights, case["draw_weights"]),
+                   labels=torch.where(masked, -100, case["labels"]))
+    for path in PATHS:
+        path = dict(path, tail="sampled")
+        ref, ref_dh, ref_dw = _loss_of(case, path)
+        got, dh, dw = _loss_of(blanked, path)
+        assert int(got.num_tokens) == int((~masked).sum()) == int(ref.num_tokens), path
+        assert rel_err(got.loss_sum, ref.loss_sum) < 1e-12, path
+        assert rel_err(dh, ref_dh) < 1e-12 and rel_err(dw, ref_dw) < 1e-12, path
+        assert not dh[masked].any(), path
 
 
 def test_a_batch_whose_loss_mask_is_all_zero_gives_zero_loss_not_nan():

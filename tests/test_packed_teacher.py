@@ -160,15 +160,20 @@ def _table_teacher():
     return lambda tokens, position_ids: table[tokens].transpose(0, 1)
 
 
-def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teachers_rows(tmp_path):
-    """Under the default grid codec: a packed store holds padding (id 0, log-prob -inf) at every token of loss mask 0
-    and, at the others, the rows of the stream store of the same windows (a context-free teacher), which keeps every
-    row; ``inspect`` summarises the packed store's mask-1 tokens only."""
+@pytest.mark.parametrize("kind", ["top-K", "draws", "draws t=0.7", "head + draws"])
+def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teachers_rows(tmp_path, kind):
+    """Under each kind's default codec: a packed store holds padding (id 0, log-prob -inf; a draw there weighs 0) at
+    every token of loss mask 0 and, at the others, the rows (and weights) of the stream store of the same windows (a
+    context-free teacher; draws keyed by sample and position), which keeps every row; ``inspect`` summarises the
+    packed store's mask-1 tokens only."""
     from megatron_kd_plugin.cache import TopKCacheReader
     from megatron_kd_plugin.cache.writer import write_cache
     from megatron_kd_plugin.commands.inspect import describe
 
-    options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False)
+    kinds = {"top-K": {}, "draws": dict(mode="sampled", sample_seed=5),
+             "draws t=0.7": dict(mode="sampled", proposal_temperature=0.7, store_logsumexp=True),
+             "head + draws": dict(mode="sampled", head=3)}
+    options = dict(k=K, vocab_size=1000, teacher="table", samples_per_shard=2, progress=False, **kinds[kind])
     readers = {}
     for layout in ("packed", "stream"):
         write_cache(HandPackedRows(layout), _table_teacher(), tmp_path / layout, **options)
@@ -181,6 +186,9 @@ def test_tokens_the_loss_does_not_read_hold_padding_slots_the_others_the_teacher
         assert torch.equal(packed.teacher.logprobs[read], stream.teacher.logprobs[read])
         assert not packed.teacher.ids[~read].any() and torch.isneginf(packed.teacher.logprobs[~read]).all()
         assert torch.isfinite(stream.teacher.logprobs).all()
+        if kind != "top-K":                                                        # a SampledTeacher's weights
+            assert torch.equal(packed.teacher.weights[read], stream.teacher.weights[read])
+            assert not packed.teacher.weights[~read].any() and (stream.teacher.weights[read] > 0).all()
     read = np.stack([readers["packed"][i].loss_mask.numpy() for i in range(len(ROWS))]).ravel() == 1
     (_, packed_stats), (_, stream_stats) = describe(tmp_path / "packed"), describe(tmp_path / "stream")
     for name, values in packed_stats.items():       # inspect summarises the tokens the loss reads, not the padding

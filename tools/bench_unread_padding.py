@@ -1,15 +1,16 @@
 """Bytes per token of a packed store whose tokens of loss mask 0 hold padding slots, against the same store holding
 the teacher's rows there (issue #49, item 3).
 
-    python tools/bench_unread_padding.py [--vocab 32768] [--seq-length 512] [--samples 32] [--k 100]
+    python tools/bench_unread_padding.py [--vocab 32768] [--seq-length 512] [--samples 32] [--k 100] [--draws 64]
 
 The rows: prompt/response pairs of random tokens, prompt and response each 16..128 tokens (the prompts about half
 the tokens, as in a chat set), packed into rows of S tokens (the ``packed`` layout's best-fit decreasing); loss mask 1
 on the responses and their end-of-document ids. The teacher: ``tools/bench_cache.py``'s synthetic peaked teacher
-(mean top-100 mass ~0.9). For each log-prob codec, two stores through the real writer (``write_cache``): the
-default (padding at mask 0: ``StoreKind.pads_unread_tokens``) and the same with the rows kept there. Prints one
-table: the share of tokens the loss reads, then per store bytes/token of the ids, the log-probs and the whole store
-(on disk, every array and the metadata), and the ratio of the whole to the kept rows' store.
+(mean top-100 mass ~0.9). For each store (the top-K under each log-prob codec, the draws under theirs), two stores
+through the real writer (``write_cache``): the default (padding at mask 0: ``writer.pad_unread_tokens``) and the
+same with the rows kept there (that function made a no-op). Prints one table: the share of tokens the loss reads,
+then per store bytes/token of the ids, the log-probs and the whole store (on disk, every array and the metadata),
+and the ratio of the whole to the kept rows' store.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_cache import synthetic_teacher  # noqa: E402
 
-from megatron_kd_plugin.cache.kinds.top_k_store import TopKStore  # noqa: E402
+from megatron_kd_plugin.cache import writer  # noqa: E402
+from megatron_kd_plugin.cache.kinds.draws_store import DrawsStore  # noqa: E402
 from megatron_kd_plugin.cache.layouts.packed_layout import best_fit_decreasing  # noqa: E402
 from megatron_kd_plugin.cache.layouts.planned_rows import PlannedRows  # noqa: E402
 from megatron_kd_plugin.cache.sources import DocumentMasks, DocumentSet  # noqa: E402
 from megatron_kd_plugin.cache.store import format as fmt  # noqa: E402
-from megatron_kd_plugin.cache.writer import write_cache  # noqa: E402
 from megatron_kd_plugin.commands.inspect import stored_bytes  # noqa: E402
 
 EOD = 0
@@ -54,10 +55,16 @@ def pairs(vocab: int, tokens: int, seed: int = 0) -> DocumentSet:
                        name="bench pairs")
 
 
-def store_bytes(rows: PlannedRows, teacher, vocab: int, k: int, codec: str, path: pathlib.Path) -> dict[str, int]:
-    """{array: bytes on disk} of the store of ``rows`` written at ``path``."""
-    write_cache(rows, teacher, path, k=k, vocab_size=vocab, teacher="synthetic", logprob_codec=codec,
-                samples_per_shard=8, progress=False)
+def store_bytes(rows: PlannedRows, teacher, vocab: int, path: pathlib.Path, padded: bool, **store) -> dict[str, int]:
+    """{array: bytes on disk} of the store of ``rows`` (``store``: ``write_cache``'s k, codec, mode) written at
+    ``path``, with padding slots at the tokens of loss mask 0 or (``padded`` False) the teacher's rows there."""
+    pad = writer.pad_unread_tokens
+    writer.pad_unread_tokens = pad if padded else lambda arrays, loss_mask: None
+    try:
+        writer.write_cache(rows, teacher, path, vocab_size=vocab, teacher="synthetic", samples_per_shard=8,
+                           progress=False, **store)
+    finally:
+        writer.pad_unread_tokens = pad
     return stored_bytes(path)
 
 
@@ -67,7 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--samples", type=int, default=32, help="packed rows written")
     parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--codecs", nargs="+", default=["grid8", "fp16"])
+    parser.add_argument("--codecs", nargs="+", default=["grid8", "fp16"], help="the top-K store's log-prob codecs")
+    parser.add_argument("--draws", type=int, default=64, help="the sampled store's draws per token (0: none)")
     args = parser.parse_args(argv)
     s, n = args.seq_length, args.samples
     rows = PlannedRows(pairs(args.vocab, 2 * n * (s + 1)), s, layout="packed", place=best_fit_decreasing,
@@ -76,20 +84,19 @@ def main(argv=None) -> int:
     teacher = synthetic_teacher(args.vocab)
     print(f"{n} packed rows x S={s}, V={args.vocab:,}, K={args.k}: loss mask 1 on {read:.1%} of the tokens, "
           f"packing efficiency {rows.packing['efficiency']:.1%}")
-    print(f"| codec | tokens of loss mask 0 hold | ids B/token | log-probs B/token | store B/token | vs rows kept |")
-    print("|---|---|---|---|---|---|")
+    print("| store | tokens of loss mask 0 hold | ids B/token | log-probs B/token | store B/token | vs rows kept |")
+    print("|---|---|---:|---:|---:|---:|")
+    stores = {f"top-{args.k}, {codec}": dict(k=args.k, logprob_codec=codec) for codec in args.codecs}
+    if args.draws:
+        stores[f"{args.draws} draws, {DrawsStore.default_codec}"] = dict(k=args.draws, mode="sampled")
     with tempfile.TemporaryDirectory() as work:
-        for codec in args.codecs:
-            sizes = {}
-            for padded in (False, True):
-                TopKStore.pads_unread_tokens = padded
-                sizes[padded] = store_bytes(rows, teacher, args.vocab, args.k, codec,
-                                            pathlib.Path(work) / f"{codec}_{padded}")
-            TopKStore.pads_unread_tokens = True
+        for number, (name, store) in enumerate(stores.items()):
+            sizes = {padded: store_bytes(rows, teacher, args.vocab, pathlib.Path(work) / f"{number}_{padded}", padded,
+                                         **store) for padded in (False, True)}
             for padded, label in ((False, "the teacher's rows"), (True, "padding slots (the default)")):
-                per_token = {name: value / (n * s) for name, value in sizes[padded].items()}
+                per_token = {array: value / (n * s) for array, value in sizes[padded].items()}
                 total = sum(per_token.values())
-                print(f"| {codec} | {label} | {per_token[fmt.IDS]:.1f} | {per_token[fmt.LOGPROBS]:.1f} | "
+                print(f"| {name} | {label} | {per_token[fmt.IDS]:.1f} | {per_token[fmt.LOGPROBS]:.1f} | "
                       f"{total:.1f} | {total / (sum(sizes[False].values()) / (n * s)):.2f}x |")
     return 0
 

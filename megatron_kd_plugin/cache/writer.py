@@ -298,8 +298,8 @@ def compute_shard(windows: np.ndarray, row_masks: tuple[np.ndarray, np.ndarray],
     """The arrays of one shard from its token windows ``[P, S+1]`` and their ``row_masks`` (loss_mask uint8 ``[P, S]``,
     position_ids int32 ``[P, S]``; the row source's), the teacher's ids sorted ascending per row, each filled in
     place micro-batch by micro-batch (the shard's rows are held once, in their stored dtypes); the row masks are
-    stored where the store's schema holds them, and there the tokens of loss mask 0 get padding slots where the
-    store's kind says so (:func:`pad_unread_tokens`). ``chunk_bytes``: the fused head's block budget
+    stored where the store's schema holds them, and there the tokens of loss mask 0 get padding slots
+    (:func:`pad_unread_tokens`). ``chunk_bytes``: the fused head's block budget
     (:func:`teacher_rows`); ``cp_group``: the teacher's context-parallel group (``teacher_fn`` gives this rank's
     slice, the rows are whole on every rank)."""
     stored_masks = dict(zip((fmt.LOSS_MASK, fmt.POSITION_IDS), row_masks))
@@ -333,7 +333,7 @@ def compute_shard(windows: np.ndarray, row_masks: tuple[np.ndarray, np.ndarray],
     if not out:
         return {}
     schema = fmt.sample_arrays(spec)
-    if fmt.LOSS_MASK in schema and spec.kind.pads_unread_tokens:
+    if fmt.LOSS_MASK in schema:
         pad_unread_tokens(out, row_masks[0])
     return {fmt.TOKENS: windows.astype(np.int32)} | {name: values for name, values in stored_masks.items()
                                                      if name in schema} | out
@@ -342,7 +342,10 @@ def compute_shard(windows: np.ndarray, row_masks: tuple[np.ndarray, np.ndarray],
 def pad_unread_tokens(arrays: dict[str, np.ndarray], loss_mask: np.ndarray) -> None:
     """Makes the slots of every token of ``loss_mask`` 0 (uint8 ``[P, S]``) padding in place: ``arrays``' ids
     ``[P, S, K]`` 0 and log-probs ``[P, S, K]`` −inf (a row still sorted ascending; the grid codec's pad code, a
-    run of repeats for the byte codecs), so a token the loss does not read costs next to no bytes."""
+    run of repeats for the byte codecs), so a token the loss does not read costs next to no bytes. Every kind's rows
+    read such a token as no slot at all: a top-K or top-p slot of probability 0, a draw of weight 0
+    (``draws.draw_weights``, ``head_draws.head_draw_weights``); its per-token arrays (log-sum-exp, G) stay the
+    teacher's."""
     unread = loss_mask == 0
     arrays[fmt.IDS][unread] = 0
     arrays[fmt.LOGPROBS][unread] = -np.inf

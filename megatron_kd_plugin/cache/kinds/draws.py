@@ -70,17 +70,18 @@ def draw_uniforms(seed: int, first_sample: int, num_samples: int, seq_length: in
 
 def draw_weights(logprobs: torch.Tensor, proposal_lognorm: torch.Tensor | None,
                    proposal_temperature: float) -> torch.Tensor:
-    """Importance weights w ``[..., N]`` of N draws (one slot = one draw) from l ``[..., N]`` and G ``[...]``.
+    """float32 importance weights w ``[..., N]`` of N draws (one slot = one draw) from l ``[..., N]`` and G
+    ``[...]``; a slot of log-prob −inf holds no draw (the padding of a token the loss does not read) and weighs 0.
 
     ``proposal_lognorm`` may be None only at t = 1 (every w = 1/N).
     """
-    n = logprobs.shape[-1]
+    n, drawn = logprobs.shape[-1], logprobs > -torch.inf
     if proposal_temperature == 1.0:
-        return torch.full_like(logprobs, 1.0 / n, dtype=torch.float32)
+        return torch.where(drawn, 1.0 / n, 0.0).float()
     if proposal_lognorm is None:
         raise ValueError(f"proposal_temperature={proposal_temperature} needs the proposal log-normaliser")
     log_ratio = logprobs.double() * (1.0 - 1.0 / proposal_temperature) + proposal_lognorm.double().unsqueeze(-1)
-    return (torch.exp(log_ratio) / n).float()
+    return torch.where(drawn, torch.exp(log_ratio) / n, 0.0).float()
 
 
 def last_index(mask: torch.Tensor) -> torch.Tensor:

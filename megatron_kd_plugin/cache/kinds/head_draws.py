@@ -77,8 +77,10 @@ def vocab_parallel_head_draws(logits: torch.Tensor, uniforms: torch.Tensor, head
 
 def head_draw_weights(logprobs: torch.Tensor, head: int) -> torch.Tensor:
     """float32 weights ``[..., H + N]`` of head + draws rows' log-probs ``[..., H + N]``: p at the head's slots,
-    (1 − m) / N at each draw (module docstring)."""
+    (1 − m) / N at each draw (module docstring); 0 at a slot of log-prob −inf (the padding of a token the loss does
+    not read)."""
     probs = logprobs.double().exp()
     tail_mass = (1.0 - probs[..., :head].sum(-1, keepdim=True)).clamp_min(0.0)          # [..., 1] 1 - m
     draws = logprobs.shape[-1] - head
-    return torch.cat([probs[..., :head], (tail_mass / draws).expand(*logprobs.shape[:-1], draws)], -1).float()
+    weights = torch.cat([probs[..., :head], (tail_mass / draws).expand(*logprobs.shape[:-1], draws)], -1)
+    return torch.where(logprobs > -torch.inf, weights, 0.0).float()

@@ -52,11 +52,6 @@ class StoreKind(abc.ABC):
     """Whether a log-prob grid codec can store its rows (a grid's mass balance is a top-K row's)."""
     exact_slots: bool
     """Whether its slots are the teacher's most probable ids (a cross-tokenizer student's token term reads them)."""
-    pads_unread_tokens: bool = False
-    """Whether a documents store (``loss_mask`` stored) holds padding slots, id 0 and log-prob −inf, at every token
-    the loss does not read (loss mask 0: prompts, row padding, a document's last token) instead of the teacher's row
-    there: true for kinds whose rows may hold padding anyway (a top-p row's); draws keep their rows (their weights
-    are defined for real draws only)."""
     work_bytes_per_logit: int
     """Peak bytes of :meth:`teacher_rows`' work buffers per logit of its block, beside the logits (the head's block
     budget and ``plan`` count them)."""

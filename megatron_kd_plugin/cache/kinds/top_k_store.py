@@ -30,7 +30,6 @@ class TopKStore(StoreKind):
     default_codec = "grid8"
     grid_codec = True
     exact_slots = True
-    pads_unread_tokens = True
     work_bytes_per_logit = 4            # the float32 (tempered) copy; torch.topk's and the LSE's buffers are per token
 
     def holds(self, spec) -> bool:

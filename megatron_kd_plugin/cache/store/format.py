@@ -92,9 +92,9 @@ Documents (``layout`` "packed" or "document", ``cache --layout``, issue #49, for
 documents, each attended by the teacher within itself only, with positions restarting at 0 at its first token
 (``megatron_kd_plugin.documents``). ``loss_mask[i, t]`` = 1 when the label ``tokens[i, t+1]`` is a loss target
 (0 at a document's last token, on padding and on prompt tokens); ``position_ids[i, t]`` counts up from 0 within each
-document. At a token of loss mask 0 a top-K or top-p store holds padding slots (id 0, log-prob −inf: the loss reads
-nothing there; ``kinds.StoreKind.pads_unread_tokens``), a sampled store the teacher's draws. A stream store (version
-5, and every earlier version) holds neither array: its loss mask reads as all ones and its positions as 0..S-1
+document. At a token of loss mask 0 every kind of store holds padding slots (id 0, log-prob −inf: the loss reads
+nothing there, a draw there weighs 0; ``writer.pad_unread_tokens``; sampled stores written before 2026-12-07 hold
+the teacher's draws there, read alike). A stream store (version 5, and every earlier version) holds neither array: its loss mask reads as all ones and its positions as 0..S-1
 (``reader.py``). Version 6 is written only for documents, so a version-5 reader refuses such a store by its
 version.
 
