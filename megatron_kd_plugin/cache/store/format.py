@@ -94,7 +94,8 @@ documents, each attended by the teacher within itself only, with positions resta
 (0 at a document's last token, on padding and on prompt tokens); ``position_ids[i, t]`` counts up from 0 within each
 document. At a token of loss mask 0 every kind of store holds padding slots (id 0, log-prob −inf: the loss reads
 nothing there, a draw there weighs 0; ``writer.pad_unread_tokens``; sampled stores written before 2026-12-07 hold
-the teacher's draws there, read alike). A stream store (version 5, and every earlier version) holds neither array: its loss mask reads as all ones and its positions as 0..S-1
+the teacher's draws there, read alike). A stream store (version 5, and every earlier version) holds neither array:
+its loss mask reads as all ones and its positions as 0..S-1
 (``reader.py``). Version 6 is written only for documents, so a version-5 reader refuses such a store by its
 version.
 
